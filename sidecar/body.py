@@ -1,0 +1,229 @@
+"""Reading and rewriting the ``model`` of a request body (JSON or multipart)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl
+
+import orjson
+
+MAX_MODEL_NAME = 256
+
+
+class BodyError(Exception):
+    """The request body cannot be used; ``kind`` names the error reply."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
+def check_model_name(model: Any) -> str:
+    if not isinstance(model, str):
+        raise BodyError("missing_model", "The 'model' field must be a string.")
+    if not model.strip():
+        raise BodyError("missing_model", "The 'model' field must not be empty.")
+    if len(model) > MAX_MODEL_NAME:
+        raise BodyError("invalid_request", f"The 'model' field is longer than {MAX_MODEL_NAME} characters.")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in model):
+        raise BodyError("invalid_request", "The 'model' field must not contain control characters.")
+    return model
+
+
+def parse_json(body: bytes) -> dict:
+    if not body.strip():
+        raise BodyError("invalid_json", "The request body is empty; a JSON object is required.")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise BodyError("invalid_json", "The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise BodyError("invalid_json", "The request body must be a JSON object.")
+    return data
+
+
+_WS = b" \t\r\n"
+_LITERAL_END = re.compile(rb"[,}\]\s]")
+
+
+def _string_end(body: bytes, start: int) -> int:
+    """Index just past the JSON string that opens at ``start``."""
+    j = start
+    while True:
+        j = body.find(b'"', j + 1)
+        if j < 0:
+            raise ValueError("unterminated string")
+        k = j - 1
+        while body[k] == 0x5C:  # backslash
+            k -= 1
+        if (j - 1 - k) % 2 == 0:
+            return j + 1
+
+
+def _value_end(body: bytes, start: int) -> int:
+    c = body[start]
+    if c == 0x22:
+        return _string_end(body, start)
+    if c not in (0x7B, 0x5B):  # { [
+        m = _LITERAL_END.search(body, start)
+        return m.start() if m else len(body)
+    depth = 0
+    pos = start
+    while True:
+        m = _NESTED_TOKEN.search(body, pos)
+        if m is None:
+            raise ValueError("unbalanced brackets")
+        t = body[m.start()]
+        if t == 0x22:
+            pos = _string_end(body, m.start())
+            continue
+        depth += 1 if t in (0x7B, 0x5B) else -1
+        pos = m.end()
+        if depth == 0:
+            return pos
+
+
+_NESTED_TOKEN = re.compile(rb'["{}\[\]]')
+
+
+def top_level_spans(body: bytes, keys: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """Byte spans of the values of the wanted top-level keys (every occurrence).
+
+    Works on a body that already parsed as a JSON object.
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    pos = body.index(b"{") + 1
+    n = len(body)
+    while pos < n:
+        while pos < n and body[pos] in _WS or (pos < n and body[pos] == 0x2C):
+            pos += 1
+        if pos >= n or body[pos] == 0x7D:
+            break
+        key_end = _string_end(body, pos)
+        key = orjson.loads(body[pos:key_end])
+        pos = body.index(b":", key_end) + 1
+        while body[pos] in _WS:
+            pos += 1
+        end = _value_end(body, pos)
+        if key in keys:
+            spans.setdefault(key, []).append((pos, end))
+        pos = end
+    return spans
+
+
+def set_top_level(body: bytes, values: dict[str, object]) -> bytes:
+    """Set top-level keys of a JSON object body, leaving every other byte as it was.
+
+    Existing keys (every duplicate) get the new value in place; missing keys
+    are inserted first. Numbers, spacing and key order elsewhere are untouched,
+    so nothing the client sent is re-encoded.
+    """
+    spans = top_level_spans(body, set(values))
+    edits = [(s, e, orjson.dumps(values[k])) for k, lst in spans.items() for s, e in lst]
+    missing = [k for k in values if k not in spans]
+    if missing:
+        at = body.index(b"{") + 1
+        text = b",".join(orjson.dumps(k) + b":" + orjson.dumps(values[k]) for k in missing)
+        rest = body[at:].lstrip()
+        edits.append((at, at, text + (b"," if rest[:1] != b"}" else b"")))
+    out = []
+    last = 0
+    for s, e, v in sorted(edits):
+        out.append(body[last:s])
+        out.append(v)
+        last = e
+    out.append(body[last:])
+    return b"".join(out)
+
+
+def query_model(path: str) -> str | None:
+    q = path.find("?")
+    if q < 0:
+        return None
+    for k, v in parse_qsl(path[q + 1:], keep_blank_values=True):
+        if k == "model":
+            return v
+    return None
+
+
+def replace_query_model(path: str, model: str) -> str:
+    from urllib.parse import quote, urlencode
+
+    base, _, query = path.partition("?")
+    pairs = [(k, model if k == "model" else v) for k, v in parse_qsl(query, keep_blank_values=True)]
+    return base + "?" + urlencode(pairs, quote_via=quote)
+
+
+# ----------------------------------------------------------------------- multipart
+
+_BOUNDARY_RE = re.compile(r'boundary=(?:"([^"]+)"|([^;,\s]+))', re.IGNORECASE)
+_NAME_RE = re.compile(rb'(?:^|;)\s*name="([^"]*)"', re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class FormField:
+    value: bytes
+    start: int  # offset of the value in the body
+    end: int
+
+
+def multipart_boundary(content_type: str) -> bytes:
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise BodyError("invalid_request", "Expected a multipart/form-data body.")
+    m = _BOUNDARY_RE.search(content_type)
+    if not m:
+        raise BodyError("invalid_request", "The multipart/form-data content type has no boundary.")
+    boundary = (m.group(1) or m.group(2)).encode("latin-1")
+    if not 1 <= len(boundary) <= 70:
+        raise BodyError("invalid_request", "The multipart boundary must be 1 to 70 characters.")
+    return boundary
+
+
+def multipart_fields(body: bytes, boundary: bytes, wanted: set[str]) -> dict[str, FormField]:
+    """Locate the named text fields of a multipart/form-data body."""
+    delim = b"--" + boundary
+    pos = body.find(delim)
+    if pos < 0:
+        raise BodyError("invalid_request", "The multipart body does not contain its boundary.")
+    found: dict[str, FormField] = {}
+    while True:
+        pos += len(delim)
+        if body[pos:pos + 2] == b"--":
+            return found
+        if body[pos:pos + 2] != b"\r\n":
+            raise BodyError("invalid_request", "The multipart body is malformed.")
+        head_end = body.find(b"\r\n\r\n", pos + 2)
+        if head_end < 0:
+            raise BodyError("invalid_request", "A multipart part has no header terminator.")
+        headers = body[pos + 2:head_end]
+        start = head_end + 4
+        nxt = body.find(b"\r\n" + delim, start)
+        if nxt < 0:
+            raise BodyError("invalid_request", "The multipart body is not terminated.")
+        for line in headers.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-disposition":
+                m = _NAME_RE.search(value)
+                if m:
+                    field = m.group(1).decode("utf-8", "replace")
+                    if field in wanted and field not in found:
+                        found[field] = FormField(body[start:nxt], start, nxt)
+        pos = nxt + 2
+
+
+def multipart_model(body: bytes, content_type: str) -> tuple[str, FormField]:
+    fields = multipart_fields(body, multipart_boundary(content_type), {"model"})
+    f = fields.get("model")
+    if f is None:
+        raise BodyError("missing_model", "The form has no 'model' field.")
+    try:
+        value = f.value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BodyError("invalid_request", "The 'model' field is not valid UTF-8.") from None
+    return check_model_name(value), f
+
+
+def replace_field(body: bytes, field: FormField, value: str) -> bytes:
+    return body[: field.start] + value.encode() + body[field.end:]

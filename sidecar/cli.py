@@ -1,0 +1,229 @@
+"""The ``model-router`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+TEMPLATES = ("ab-testing",)
+
+
+def template_text(name: str) -> str:
+    return resources.files("sidecar").joinpath("templates", f"{name}.yaml").read_text(encoding="utf-8")
+
+
+def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for v in values or []:
+        name, sep, url = v.partition("=")
+        if not sep or not name or not url:
+            raise SystemExit(f"{flag} expects NAME=URL, got {v!r}")
+        out[name] = url
+    return out
+
+
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    serve(
+        args.config, grpc_listen=args.grpc_listen, admin_listen=args.admin_listen,
+        url_overrides=_pairs(args.backend_url, "--backend-url"),
+    )
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from .config import ConfigError, load
+
+    try:
+        loaded = load(args.file)
+    except ConfigError as exc:
+        for e in exc.errors:
+            print(f"error: {e}", file=sys.stderr)
+        for w in exc.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        print(f"{args.file}: invalid ({len(exc.errors)} error(s))", file=sys.stderr)
+        return 1
+    for w in loaded.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"{args.file}: valid" + (f" ({len(loaded.warnings)} warning(s))" if loaded.warnings else ""))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    text = template_text(args.template)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_envoy_config(args) -> int:
+    from . import envoyconf
+    from .config import ConfigError, load
+
+    try:
+        cfg = load(args.config).config
+    except ConfigError as exc:
+        for e in exc.errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    urls = _pairs(args.backend_url, "--backend-url")
+    for i, b in enumerate(cfg.backends):
+        if b.is_demo and b.name not in urls:
+            urls[b.name] = f"http://127.0.0.1:{18000 + i}"
+            print(f"note: demo backend '{b.name}' mapped to {urls[b.name]} (use --backend-url to change)", file=sys.stderr)
+    boot = envoyconf.bootstrap(
+        cfg, sidecar_addresses=args.sidecar or None, backend_urls=urls,
+        listen=args.listen, admin_listen=args.admin_listen,
+    )
+    sys.stdout.write(envoyconf.render(boot))
+    return 0
+
+
+def cmd_up(args) -> int:
+    import tempfile
+
+    from .stack import Stack, StackError
+
+    tmp = None
+    path = args.config
+    if path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="model-router-up-")
+        path = str(Path(tmp.name) / "ab-testing.yaml")
+        Path(path).write_text(template_text("ab-testing"), encoding="utf-8")
+        print(f"no --config given: running the ab-testing template ({path})")
+    from .config import ConfigError, load
+
+    try:
+        cfg = load(path).config
+    except ConfigError as exc:
+        for e in exc.errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    listen = args.listen or cfg.envoy.listen
+    stack = Stack(Path(path), listen=listen)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        stack.start()
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    model = cfg.model_experiments[0].model if cfg.model_experiments else next(
+        (m for b in cfg.backends for m in (b.models or [])), "MODEL"
+    )
+    print(f"""
+model-router is up.
+  public URL (Envoy):   {stack.url}
+  sidecar metrics:      http://{stack.sidecar_admin}/metrics
+  Envoy admin:          http://{stack.envoy_admin}
+  logs:                 {stack.workdir}
+
+Try it:
+  curl -s {stack.url}/v1/chat/completions -H 'authorization: Bearer user-1' \\
+       -H 'content-type: application/json' -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}'
+
+See the split (one caller per key, each sticks to its arm):
+  for i in $(seq 1 20); do curl -s -o /dev/null -D - {stack.url}/v1/chat/completions -H "authorization: Bearer user-$i" \\
+       -H 'content-type: application/json' -d '{{"model": "{model}", "messages": []}}' | grep -i x-continuum-experiment-variant; done
+
+Press Ctrl-C to stop.""", flush=True)
+    try:
+        while not stopping:
+            for name, proc in stack._procs.items():
+                if proc.popen.poll() is not None:
+                    print(f"error: {name} exited with code {proc.popen.returncode}; see {proc.log}", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.2)
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+        if tmp is not None:
+            stack.close()
+            tmp.cleanup()
+    return 0
+
+
+def cmd_demo_engine(args) -> int:
+    from . import demo_engine
+
+    return demo_engine.main(args)
+
+
+def cmd_assign(args) -> int:
+    from .assign_cli import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the sidecar (gRPC ext_proc + admin HTTP)")
+    s.add_argument("--config", required=True)
+    s.add_argument("--grpc-listen", help="host:port for the ext_proc gRPC server (overrides server.grpc_listen)")
+    s.add_argument("--admin-listen", help="host:port for the admin HTTP server (overrides server.admin_listen)")
+    s.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
+    s.set_defaults(func=cmd_serve)
+
+    u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")
+    u.add_argument("--config", help="config file (default: the ab-testing template)")
+    u.add_argument("--listen", help="public host:port (default: envoy.listen from the config)")
+    u.set_defaults(func=cmd_up)
+
+    c = sub.add_parser("config", help="validate or generate config files")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="check a config file; exit 0 when valid, 1 when not")
+    v.add_argument("file")
+    v.set_defaults(func=cmd_validate)
+    g = csub.add_parser("generate", help="print a commented, runnable config")
+    g.add_argument("--template", choices=TEMPLATES, default="ab-testing")
+    g.add_argument("-o", "--output")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("envoy-config", help="print the Envoy bootstrap for a config")
+    e.add_argument("--config", required=True)
+    e.add_argument("--sidecar", action="append", metavar="HOST:PORT", help="ext_proc endpoint(s) (default: server.grpc_listen)")
+    e.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
+    e.add_argument("--listen", help="public host:port (default: envoy.listen)")
+    e.add_argument("--admin-listen", help="Envoy admin host:port (default: envoy.admin_listen)")
+    e.set_defaults(func=cmd_envoy_config)
+
+    x = sub.add_parser("experiments", help="inspect model experiments")
+    xsub = x.add_subparsers(dest="experiments_command", required=True)
+    a = xsub.add_parser("assign", help="which arm a caller gets, and why")
+    a.add_argument("--config", required=True)
+    a.add_argument("--experiment", required=True, help="experiment name")
+    a.add_argument("--key", required=True, help="the caller's sticky value (API key, user or header value)")
+    a.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    a.add_argument("--json", action="store_true", help="print JSON")
+    a.set_defaults(func=cmd_assign)
+
+    d = sub.add_parser("demo-engine", help="run the built-in demo upstream engine")
+    try:
+        from . import demo_engine
+
+        demo_engine.add_arguments(d)
+    except ImportError:
+        pass
+    d.set_defaults(func=cmd_demo_engine)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0

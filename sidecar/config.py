@@ -1,0 +1,465 @@
+"""Configuration: one YAML file loaded into frozen pydantic models.
+
+Loading has three stages, each of which reports every problem it finds with
+the dotted path of the offending field:
+
+1. YAML parsing and ``${ENV}`` substitution inside string values,
+2. schema validation (types, ranges, unknown fields are errors),
+3. cross-field checks (duplicate names, pins naming unknown backends, ...),
+   which also produce warnings.
+
+The result is an immutable :class:`Config`; the request path reads derived
+lookup tables from :class:`sidecar.snapshot.Snapshot`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# The Envoy cluster that carries the ext_proc gRPC stream; no backend may take it.
+RESERVED_BACKEND_NAME = "model-router-sidecar"
+MAX_EXPERIMENTS = 32
+MAX_VARIANTS = 16
+MAX_WEIGHT = 1_000_000
+TTL_MIN = 60
+TTL_MAX = 365 * 86400
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_TTL_RE = re.compile(r"^([0-9]+)([smhd]?)$")
+_TTL_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``errors`` lists every problem."""
+
+    def __init__(self, errors: list[str], warnings: list[str] | None = None):
+        self.errors = errors
+        self.warnings = warnings or []
+        super().__init__("; ".join(errors))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_duration(value: Any) -> int:
+    """Parse a whole number of seconds with an optional s/m/h/d unit."""
+    if isinstance(value, bool):
+        raise ValueError("must be a whole number with an optional s, m, h or d unit")
+    if isinstance(value, int):
+        return value
+    m = _TTL_RE.match(str(value).strip())
+    if not m:
+        raise ValueError("must be a whole number with an optional s, m, h or d unit")
+    return int(m.group(1)) * _TTL_UNIT[m.group(2)]
+
+
+def _listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be host:port")
+    return value
+
+
+class Server(_Model):
+    grpc_listen: str = "127.0.0.1:50051"
+    admin_listen: str = "127.0.0.1:9190"
+    # Extra gRPC ports, one sidecar process each, listed as separate
+    # endpoints of Envoy's ext_proc cluster.
+    workers: Annotated[int, Field(ge=1, le=16)] = 1
+    max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 32 * 1024 * 1024
+    admin_token: str | None = None
+    # Envoy's wait for one sidecar answer; past it the request fails closed.
+    message_timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 2000
+    reload_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+
+    @field_validator("grpc_listen", "admin_listen")
+    @classmethod
+    def _listen_addr(cls, v: str) -> str:
+        return _listen(v)
+
+
+class Envoy(_Model):
+    listen: str = "127.0.0.1:8080"
+    admin_listen: str = "127.0.0.1:9901"
+    concurrency: Annotated[int, Field(ge=1, le=64)] = 2
+    upstream_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 300
+
+    @field_validator("listen", "admin_listen")
+    @classmethod
+    def _listen_addr(cls, v: str) -> str:
+        return _listen(v)
+
+
+BackendType = Literal["openai", "vllm", "sglang", "anthropic"]
+
+
+class Backend(_Model):
+    name: str
+    url: str
+    type: BackendType = "openai"
+    models: list[str] | None = None
+    internal: bool = False
+    api_key: str | None = None
+    weight: Annotated[int, Field(ge=1, le=MAX_WEIGHT)] = 1
+    enabled: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must match [A-Za-z0-9._-]{1,64}")
+        if v == RESERVED_BACKEND_NAME:
+            raise ValueError(f"'{RESERVED_BACKEND_NAME}' is reserved for the sidecar's own cluster")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v == "demo://":
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL, or demo://")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from None
+        if parts.query or parts.fragment:
+            raise ValueError("must not carry a query or fragment")
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            for m in v:
+                _check_model_name(m)
+        return v
+
+    @property
+    def is_demo(self) -> bool:
+        return self.url == "demo://"
+
+    @property
+    def family(self) -> str:
+        return "anthropic" if self.type == "anthropic" else "openai"
+
+
+def _check_model_name(v: str) -> str:
+    if not v or len(v) > 256:
+        raise ValueError("model names must be 1..256 characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+        raise ValueError("model names must not contain control characters")
+    return v
+
+
+class ApiKey(_Model):
+    key: str
+    id: str
+    allowed_models: list[str] | None = None
+    allowed_backends: list[str] | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be blank")
+        return v
+
+
+class Variant(_Model):
+    id: str
+    model: str
+    weight: Annotated[int, Field(ge=0, le=MAX_WEIGHT)]
+    backends: list[str] | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must match [A-Za-z0-9._-]{1,64}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        return _check_model_name(v)
+
+
+class Experiment(_Model):
+    name: str
+    model: str
+    sticky_key: str = "api_key"
+    sticky_ttl: int | None = None
+    fallback: Literal["within_variant", "cross_variant"] = "within_variant"
+    response_model: Literal["upstream", "client"] = "upstream"
+    response_headers: bool = False
+    hide_variant_models: bool = False
+    variants: Annotated[list[Variant], Field(max_length=MAX_VARIANTS)]
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must match [A-Za-z0-9._-]{1,64}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        return _check_model_name(v)
+
+    @field_validator("sticky_key")
+    @classmethod
+    def _sticky_key(cls, v: str) -> str:
+        if v in ("api_key", "user", "none"):
+            return v
+        if v.startswith("header:"):
+            name = v[len("header:"):]
+            if re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", name):
+                return "header:" + name.lower()
+        raise ValueError("must be api_key, user, none or header:<name>")
+
+    @field_validator("sticky_ttl", mode="before")
+    @classmethod
+    def _ttl(cls, v: Any) -> int | None:
+        if v is None:
+            return None
+        seconds = parse_duration(v)
+        if not TTL_MIN <= seconds <= TTL_MAX:
+            raise ValueError("must be between 60s and 365d")
+        return seconds
+
+    @property
+    def sticky_header(self) -> str | None:
+        return self.sticky_key[len("header:"):] if self.sticky_key.startswith("header:") else None
+
+
+class VariantSuffixes(_Model):
+    enabled: bool = False
+
+
+class Proxy(_Model):
+    variant_suffixes: VariantSuffixes = VariantSuffixes()
+    selection: Literal["round_robin", "weighted", "random"] = "round_robin"
+
+
+class Config(_Model):
+    server: Server = Server()
+    envoy: Envoy = Envoy()
+    proxy: Proxy = Proxy()
+    backends: Annotated[list[Backend], Field(min_length=1)]
+    api_keys: list[ApiKey] | None = None
+    model_aliases: dict[str, str] = {}
+    model_experiments: Annotated[list[Experiment], Field(max_length=MAX_EXPERIMENTS)] = []
+
+
+@dataclass
+class Loaded:
+    config: Config
+    warnings: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(root)"
+
+
+def _message(err: dict) -> str:
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx.get('le')}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx.get('ge')}"
+    if kind == "too_long":
+        return f"at most {ctx.get('max_length')} entries"
+    if kind == "too_short":
+        return f"at least {ctx.get('min_length')} entries"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    simple = {
+        "bool_parsing": "must be true or false", "bool_type": "must be true or false",
+        "int_parsing": "must be a whole number", "int_type": "must be a whole number",
+        "int_from_float": "must be a whole number", "string_type": "must be a string",
+        "list_type": "must be a list", "dict_type": "must be a mapping", "model_type": "must be a mapping",
+        "model_attributes_type": "must be a mapping",
+    }
+    if kind in simple:
+        return simple[kind]
+    if kind == "value_error":
+        return str(ctx.get("error", err.get("msg")))
+    return err.get("msg", "invalid value")
+
+
+def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str]) -> Any:
+    if isinstance(node, dict):
+        return {k: _substitute(v, path + (k,), errors, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute(v, path + (i,), errors, env) for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+
+        def repl(m: re.Match) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            errors.append(f"{_path(path)}: environment variable {name} is not set")
+            return ""
+
+        return _ENV_RE.sub(repl, node)
+    return node
+
+
+def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
+    """Parse and validate config text; raise :class:`ConfigError` listing every problem."""
+    env = dict(os.environ) if env is None else env
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"(root): not valid YAML: {exc}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(["(root): must be a mapping of sections"])
+    errors: list[str] = []
+    raw = _substitute(raw, (), errors, env)
+    if errors:
+        raise ConfigError(errors)
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError([f"{_path(e['loc'])}: {_message(e)}" for e in exc.errors()]) from None
+    errors, warnings = check(config)
+    if errors:
+        raise ConfigError(errors, warnings)
+    return Loaded(config, warnings)
+
+
+def load(path: str | Path, env: dict[str, str] | None = None) -> Loaded:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"(root): cannot read {path}: {exc}"]) from None
+    return parse(text, env)
+
+
+def check(config: Config) -> tuple[list[str], list[str]]:
+    """Cross-field rules; returns (errors, warnings) with field paths."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    backends = {}
+    for i, b in enumerate(config.backends):
+        if b.name in backends:
+            errors.append(f"backends[{i}].name: duplicate backend name '{b.name}'")
+        backends[b.name] = b
+
+    if config.api_keys is not None:
+        seen_keys: dict[str, int] = {}
+        seen_ids: dict[str, int] = {}
+        for i, k in enumerate(config.api_keys):
+            if k.key in seen_keys:
+                errors.append(f"api_keys[{i}].key: duplicate key (also api_keys[{seen_keys[k.key]}])")
+            seen_keys.setdefault(k.key, i)
+            if k.id in seen_ids:
+                errors.append(f"api_keys[{i}].id: duplicate id '{k.id}'")
+            seen_ids.setdefault(k.id, i)
+            for j, name in enumerate(k.allowed_backends or []):
+                if name not in backends:
+                    errors.append(f"api_keys[{i}].allowed_backends[{j}]: unknown backend '{name}'")
+
+    for alias, target in config.model_aliases.items():
+        try:
+            _check_model_name(alias)
+            _check_model_name(target)
+        except ValueError as exc:
+            errors.append(f"model_aliases.{alias}: {exc}")
+        if alias == target:
+            errors.append(f"model_aliases.{alias}: an alias cannot point at itself")
+
+    exp_names: dict[str, int] = {}
+    exp_models: dict[str, int] = {}
+    for i, e in enumerate(config.model_experiments):
+        p = f"model_experiments[{i}]"
+        if e.name in exp_names:
+            errors.append(f"{p}.name: duplicate experiment name '{e.name}'")
+        exp_names.setdefault(e.name, i)
+        if e.model in exp_models:
+            errors.append(f"{p}.model: client model '{e.model}' is already used by model_experiments[{exp_models[e.model]}]")
+        exp_models.setdefault(e.model, i)
+    for i, e in enumerate(config.model_experiments):
+        p = f"model_experiments[{i}]"
+        if not e.variants:
+            errors.append(f"{p}.variants: at least one variant is required")
+        elif all(v.weight == 0 for v in e.variants):
+            errors.append(f"{p}.variants: at least one variant needs a weight above 0")
+        ids: set[str] = set()
+        for j, v in enumerate(e.variants):
+            vp = f"{p}.variants[{j}]"
+            if v.id in ids:
+                errors.append(f"{vp}.id: duplicate variant id '{v.id}'")
+            ids.add(v.id)
+            if v.model in exp_models:
+                errors.append(f"{vp}.model: '{v.model}' is the client model of another experiment; experiments cannot chain")
+            if e.hide_variant_models and v.model == e.model:
+                errors.append(f"{vp}.model: a hidden experiment cannot use its own client model '{e.model}' as a variant")
+            if v.backends is not None:
+                if not v.backends:
+                    errors.append(f"{vp}.backends: an empty pin admits no backend")
+                pinned = []
+                for k, name in enumerate(v.backends):
+                    b = backends.get(name)
+                    if b is None:
+                        errors.append(f"{vp}.backends[{k}]: unknown backend '{name}'")
+                    elif b.internal:
+                        errors.append(f"{vp}.backends[{k}]: backend '{name}' is internal and cannot be pinned")
+                    else:
+                        pinned.append(b)
+                if pinned and len(pinned) == len(v.backends) and all(b.models is not None for b in pinned):
+                    if not any(v.model in b.models for b in pinned):
+                        errors.append(f"{vp}.model: none of the pinned backends lists '{v.model}'")
+        if e.sticky_key == "none" and e.sticky_ttl is not None:
+            warnings.append(f"{p}.sticky_ttl: has no effect with sticky_key: none")
+
+    reserved = {v.model: e.name for e in config.model_experiments if e.hide_variant_models for v in e.variants}
+    for alias, target in config.model_aliases.items():
+        if target in reserved:
+            warnings.append(
+                f"model_aliases.{alias}: points at '{target}', a model reserved by experiment '{reserved[target]}'"
+            )
+    for i, e in enumerate(config.model_experiments):
+        if e.hide_variant_models:
+            continue
+        for j, v in enumerate(e.variants):
+            if v.model in reserved:
+                warnings.append(
+                    f"model_experiments[{i}].variants[{j}].model: '{v.model}' is reserved by experiment "
+                    f"'{reserved[v.model]}' but stays reachable through this experiment, which does not hide its variants"
+                )
+    return errors, warnings

@@ -1,0 +1,282 @@
+"""The routing decision: request context + config snapshot -> route or refusal.
+
+Pure: no I/O, no clocks, no global state. The gRPC adapter supplies the time,
+a round-robin counter and a random source, so every decision is reproducible
+in a unit test.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from . import assignment, errors
+from .body import (
+    BodyError, check_model_name, multipart_model, parse_json, query_model, replace_field, replace_query_model,
+    set_top_level,
+)
+from .config import ApiKey
+from .errors import ErrorReply
+from .ingress import Ingress
+from .snapshot import BackendInfo, Snapshot
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling: the presented key (if any) and its config entry."""
+
+    api_key: str | None
+    key: ApiKey | None
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    key = headers.get("x-api-key")
+    if key and key.strip():
+        return key.strip()
+    return None
+
+
+def authenticate(snap: Snapshot, headers: Mapping[str, str], family: str) -> Caller | ErrorReply:
+    """The key gate; with no ``api_keys`` section every caller is admitted."""
+    key = presented_key(headers)
+    if snap.keys is None:
+        return Caller(key, None)
+    if key is None:
+        return errors.error("unauthorized", "An API key is required (Authorization: Bearer or x-api-key).", family)
+    entry = snap.keys.get(key)
+    if entry is None:
+        return errors.error("unauthorized", "The API key is not valid.", family)
+    return Caller(key, entry)
+
+
+@dataclass(frozen=True)
+class Request:
+    ingress: Ingress
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+    caller: Caller
+    now: float = 0.0
+    pick: int = 0  # round-robin counter
+    rand: float = 0.0  # uniform in [0, 1)
+    random_bytes: Callable[[int], bytes] = os.urandom
+
+
+@dataclass(frozen=True)
+class ResponsePlan:
+    """What the sidecar does with the response of a routed request."""
+
+    family: str
+    rewrite_model: str | None = None  # top-level model to write into the response
+    read_usage: bool = False
+    strip_injected_usage: bool = False
+    streaming: bool = False
+    experiment: str | None = None
+    variant: str | None = None
+    assignment: str | None = None  # "sticky" | "random"
+    counted: bool = True
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def needs_body(self) -> bool:
+        return self.rewrite_model is not None or self.read_usage
+
+
+@dataclass(frozen=True)
+class Route:
+    backend: BackendInfo
+    client_model: str
+    upstream_model: str
+    body: bytes | None = None  # replacement request body, None = unchanged
+    path: str | None = None  # replacement :path, None = unchanged
+    set_headers: tuple[tuple[str, str], ...] = ()
+    remove_headers: tuple[str, ...] = ()
+    plan: ResponsePlan | None = None
+
+
+@dataclass
+class _Parsed:
+    model: str
+    json: dict | None = None
+    form_field: object | None = None
+    edits: dict = field(default_factory=dict)
+
+
+def _parse(req: Request) -> _Parsed:
+    kind = req.ingress.body
+    if kind == "json":
+        data = parse_json(req.body)
+        if "model" not in data:
+            raise BodyError("missing_model", "The request body has no 'model' field.")
+        return _Parsed(check_model_name(data["model"]), json=data)
+    if kind == "multipart":
+        model, f = multipart_model(req.body, req.headers.get("content-type", ""))
+        return _Parsed(model, form_field=f)
+    model = query_model(req.path)
+    if model is None:
+        raise BodyError("missing_model", "The 'model' query parameter is required.")
+    return _Parsed(check_model_name(model))
+
+
+def _sticky_value(exp, req: Request, parsed: _Parsed) -> str | None:
+    key = exp.sticky_key
+    if key == "api_key":
+        return req.caller.api_key
+    if key == "user":
+        data = parsed.json or {}
+        if req.ingress.family == "anthropic":
+            meta = data.get("metadata")
+            value = meta.get("user_id") if isinstance(meta, dict) else None
+        else:
+            value = data.get("user")
+        return value if isinstance(value, str) else None
+    if key == "none":
+        return None
+    return req.headers.get(exp.sticky_header)
+
+
+def _pick(snap: Snapshot, candidates: list[BackendInfo], req: Request) -> BackendInfo:
+    if len(candidates) == 1:
+        return candidates[0]
+    strategy = snap.config.proxy.selection
+    if strategy == "random":
+        return candidates[min(int(req.rand * len(candidates)), len(candidates) - 1)]
+    if strategy == "weighted":
+        total = sum(b.weight for b in candidates)
+        x = req.rand * total
+        for b in candidates:
+            x -= b.weight
+            if x < 0:
+                return b
+        return candidates[-1]
+    return candidates[req.pick % len(candidates)]
+
+
+def decide(snap: Snapshot, req: Request) -> Route | ErrorReply:
+    ingress = req.ingress
+    family = ingress.family
+    try:
+        parsed = _parse(req)
+    except BodyError as exc:
+        return errors.error(exc.kind, str(exc), family, param="model" if "model" in str(exc) else None)
+
+    # 1. model_aliases, on the ingresses that honour them.
+    requested = parsed.model
+    if ingress.aliases:
+        requested = snap.aliases.get(requested, requested)
+    client_model = requested
+
+    # 2. The per-key model gate judges the client-facing name.
+    key = req.caller.key
+    if key is not None and key.allowed_models is not None and client_model not in key.allowed_models:
+        return errors.model_not_permitted(client_model, family)
+
+    # 3. The experiment picks a variant.
+    allowed: set[str] | None = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
+    upstream = client_model
+    plan_fields: dict = {}
+    exp_info = snap.experiments.get(client_model) if ingress.experiments else None
+    if exp_info is not None:
+        exp = exp_info.config
+        sticky = _sticky_value(exp, req, parsed)
+        a = assignment.assign(
+            exp.name, exp_info.variants, sticky,
+            ttl_seconds=exp.sticky_ttl, unix_time=req.now, random_bytes=req.random_bytes,
+        )
+        variant = exp.variants[a.variant_index]
+        upstream = variant.model
+        if variant.backends is not None:
+            pin = set(variant.backends)
+            allowed = pin if allowed is None else allowed & pin
+            if not allowed:
+                return errors.model_not_permitted(client_model, family)
+        headers: tuple[tuple[str, str], ...] = ()
+        if exp.response_headers:
+            headers = (("x-continuum-experiment", exp.name), ("x-continuum-experiment-variant", variant.id))
+        plan_fields = dict(
+            experiment=exp.name, variant=variant.id, assignment="sticky" if a.sticky else "random",
+            rewrite_model=client_model if exp.response_model == "client" else None,
+            read_usage=ingress.usage and ingress.counted, counted=ingress.counted, headers=headers,
+        )
+
+    # 4. Backend selection among the backends serving the upstream model.
+    serving = snap.served.get(upstream, ())
+    candidates = [
+        snap.backends[name] for name in serving
+        if not snap.backends[name].internal and (allowed is None or name in allowed)
+    ]
+    if not candidates:
+        if serving and any(not snap.backends[n].internal for n in serving):
+            return errors.model_not_permitted(client_model, family)
+        return errors.model_not_found(client_model, family)
+    backend = _pick(snap, candidates, req)
+
+    # 5. Request rewrites.
+    new_body: bytes | None = None
+    new_path: str | None = None
+    streaming = False
+    if parsed.json is not None:
+        data = parsed.json
+        streaming = data.get("stream") is True
+        edits: dict = {}
+        if data["model"] != upstream:
+            edits["model"] = upstream
+        if (
+            plan_fields.get("read_usage") and streaming and family == "openai"
+            and ingress.path in ("/v1/chat/completions", "/v1/completions")
+        ):
+            opts = data.get("stream_options")
+            if not (isinstance(opts, dict) and opts.get("include_usage") is True):
+                opts = dict(opts) if isinstance(opts, dict) else {}
+                opts["include_usage"] = True
+                edits["stream_options"] = opts
+                plan_fields["strip_injected_usage"] = True
+        if edits:
+            new_body = set_top_level(req.body, edits)
+    elif parsed.form_field is not None:
+        if parsed.model != upstream:
+            new_body = replace_field(req.body, parsed.form_field, upstream)
+    elif parsed.model != upstream:
+        new_path = replace_query_model(req.path, upstream)
+
+    upstream_path = backend.base_path + ingress.upstream_path
+    query = req.path.partition("?")[2] if new_path is None else new_path.partition("?")[2]
+    target = upstream_path + ("?" + query if query else "")
+    if target != req.path:
+        new_path = target
+
+    set_headers, remove_headers = upstream_auth(snap, backend)
+    plan = None
+    if plan_fields:
+        plan = ResponsePlan(family=family, streaming=streaming, **plan_fields)
+    return Route(
+        backend=backend, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
+        set_headers=set_headers, remove_headers=remove_headers, plan=plan,
+    )
+
+
+def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Credentials toward the backend; a router key never travels upstream."""
+    if backend.api_key:
+        if backend.family == "anthropic":
+            return (("x-api-key", backend.api_key),), ("authorization",)
+        return (("authorization", f"Bearer {backend.api_key}"),), ("x-api-key",)
+    if snap.keys is not None:
+        return (), ("authorization", "x-api-key")
+    return (), ()
+
+
+def passthrough(snap: Snapshot, path: str) -> Route | ErrorReply:
+    """Paths that carry no model go to the default backend untouched."""
+    if snap.default_backend is None:
+        return errors.error("no_backend", "No backend is configured for this path.")
+    backend = snap.backends[snap.default_backend]
+    set_headers, remove_headers = upstream_auth(snap, backend)
+    new_path = backend.base_path + path if backend.base_path else None
+    return Route(backend, "", "", path=new_path, set_headers=set_headers, remove_headers=remove_headers)

@@ -1,0 +1,305 @@
+"""The ext_proc gRPC adapter: Envoy's messages in, decisions out.
+
+One gRPC stream per HTTP request. The adapter translates Envoy's protobuf
+messages into :mod:`sidecar.decide` inputs and the decisions back into header
+and body mutations or immediate responses; it holds no routing logic itself.
+
+Messages per request: request headers, then (for model-routed paths) the
+buffered request body. Response headers are asked for only when the config
+has something to do with responses, and response bodies only when the
+decision needs them (model rewrite or token usage).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Iterable
+
+from google.protobuf import struct_pb2
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from envoy.type.v3 import http_status_pb2
+
+from . import decide, errors, metrics
+from .errors import ErrorReply
+from .ingress import lookup
+from .rewrite import MAX_JSON_REWRITE, SSERewriter, rewrite_json_body
+from .snapshot import BACKEND_HEADER
+
+log = logging.getLogger("model_router.extproc")
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_MODE_BODY_ONLY = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND,
+    request_body_mode=pm.ProcessingMode.BUFFERED,
+    response_header_mode=pm.ProcessingMode.SKIP,
+    response_body_mode=pm.ProcessingMode.NONE,
+    request_trailer_mode=pm.ProcessingMode.SKIP,
+    response_trailer_mode=pm.ProcessingMode.SKIP,
+)
+_MODE_NOTHING_MORE = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND,
+    request_body_mode=pm.ProcessingMode.NONE,
+    response_header_mode=pm.ProcessingMode.SKIP,
+    response_body_mode=pm.ProcessingMode.NONE,
+    request_trailer_mode=pm.ProcessingMode.SKIP,
+    response_trailer_mode=pm.ProcessingMode.SKIP,
+)
+_MODE_RESPONSE_STREAMED = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND,
+    request_body_mode=pm.ProcessingMode.NONE,
+    response_header_mode=pm.ProcessingMode.SEND,
+    response_body_mode=pm.ProcessingMode.STREAMED,
+    request_trailer_mode=pm.ProcessingMode.SKIP,
+    response_trailer_mode=pm.ProcessingMode.SKIP,
+)
+
+
+_OWN_REPLY = struct_pb2.Struct()
+_OWN_REPLY.update({"model_router": {"reply": "sidecar"}})
+
+
+def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:
+    m = pb.HeaderMutation()
+    for k, v in set_headers:
+        opt = m.set_headers.add()
+        opt.header.key = k
+        opt.header.raw_value = v.encode("utf-8")
+        opt.append_action = _OVERWRITE
+    m.remove_headers.extend(remove)
+    return m
+
+
+def immediate(reply: ErrorReply) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=reply.status),
+            headers=header_mutation(
+                (("content-type", reply.content_type),) + reply.headers
+            ),
+            body=reply.body,
+            details=f"model_router_{reply.status}",
+        ),
+        dynamic_metadata=_OWN_REPLY,
+    )
+
+
+def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in msg.headers.headers:
+        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+class _Stream:
+    """Per-request state kept for the life of one ext_proc stream."""
+
+    __slots__ = ("start", "ingress", "headers", "path", "caller", "route", "rewriter", "buffer", "status", "counted")
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.ingress = None
+        self.headers: dict[str, str] = {}
+        self.path = "/"
+        self.caller = None
+        self.route: decide.Route | None = None
+        self.rewriter: SSERewriter | None = None
+        self.buffer: bytearray | None = None
+        self.status = 0
+        self.counted = False
+
+
+class Processor(pbg.ExternalProcessorServicer):
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self._counter = 0
+        self._rand = random.Random(os.urandom(16))
+
+    async def Process(self, request_iterator, context):
+        st = _Stream()
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("request")
+                if kind == "request_headers":
+                    yield self._request_headers(st, req.request_headers)
+                elif kind == "request_body":
+                    yield self._request_body(st, req.request_body)
+                elif kind == "response_headers":
+                    yield self._response_headers(st, req.response_headers)
+                elif kind == "response_body":
+                    yield self._response_body(st, req.response_body)
+                elif kind == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif kind == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        except Exception:
+            metrics.STREAM_ERRORS.inc()
+            log.exception("ext_proc stream failed")
+            raise
+
+    # ------------------------------------------------------------------ request
+
+    def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        snap = self.runtime.snapshot
+        st.headers = h = _headers(msg)
+        st.path = h.get(":path", "/")
+        st.ingress = ingress = lookup(st.path)
+        family = ingress.family if ingress else ("anthropic" if st.path.startswith("/anthropic/") else "openai")
+        caller = decide.authenticate(snap, h, family)
+        if isinstance(caller, ErrorReply):
+            return self._refuse(caller)
+        st.caller = caller
+        if ingress is None:
+            route = decide.passthrough(snap, st.path)
+            if isinstance(route, ErrorReply):
+                return self._refuse(route)
+            metrics.DECISIONS.labels("passthrough").inc()
+            return pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(response=self._route_common(route)),
+                mode_override=_MODE_NOTHING_MORE,
+            )
+        length = h.get("content-length")
+        if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
+            return self._refuse(errors.error(
+                "too_large", f"The request body is larger than the limit of {snap.max_body_bytes} bytes.", family
+            ))
+        if ingress.body == "query" or msg.end_of_stream:
+            # No body will follow: decide now.
+            return self._decide(st, b"", phase="headers")
+        resp = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=header_mutation(remove=(BACKEND_HEADER,)))
+            )
+        )
+        if not snap.response_phase:
+            resp.mode_override.CopyFrom(_MODE_BODY_ONLY)
+        return resp
+
+    def _request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        return self._decide(st, msg.body, phase="body")
+
+    def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
+        snap = self.runtime.snapshot
+        if len(body) > snap.max_body_bytes:
+            return self._refuse(errors.error(
+                "too_large", f"The request body is larger than the limit of {snap.max_body_bytes} bytes.",
+                st.ingress.family,
+            ))
+        self._counter += 1
+        req = decide.Request(
+            ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
+            now=time.time(), pick=self._counter, rand=self._rand.random(),
+        )
+        try:
+            route = decide.decide(snap, req)
+        except Exception:
+            log.exception("decision failed for %s", st.path.partition("?")[0])
+            route = errors.error("internal", "The router could not process this request.", st.ingress.family)
+        if isinstance(route, ErrorReply):
+            return self._refuse(route)
+        metrics.DECISIONS.labels("routed").inc()
+        st.route = route
+        common = self._route_common(route)
+        if route.body is not None:
+            common.body_mutation.body = route.body
+            opt = common.header_mutation.set_headers.add()
+            opt.header.key = "content-length"
+            opt.header.raw_value = str(len(route.body)).encode()
+            opt.append_action = _OVERWRITE
+        if phase == "headers":
+            resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+            if route.plan is None:
+                resp.mode_override.CopyFrom(_MODE_NOTHING_MORE)
+            return resp
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    def _route_common(self, route: decide.Route) -> pb.CommonResponse:
+        sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]
+        if route.path is not None:
+            sets.append((":path", route.path))
+        if route.plan is not None and route.plan.needs_body:
+            # The response body must be readable to rewrite it or count its tokens.
+            sets.append(("accept-encoding", "identity"))
+        return pb.CommonResponse(header_mutation=header_mutation(sets, route.remove_headers), clear_route_cache=True)
+
+    def _refuse(self, reply: ErrorReply) -> pb.ProcessingResponse:
+        metrics.DECISIONS.labels(str(reply.status)).inc()
+        return immediate(reply)
+
+    # ----------------------------------------------------------------- response
+
+    def _response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        h = _headers(msg)
+        try:
+            st.status = int(h.get(":status", "0"))
+        except ValueError:
+            st.status = 0
+        plan = st.route.plan if st.route is not None else None
+        if plan is None:
+            return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        if plan.experiment is not None and plan.counted:
+            st.counted = True
+            metrics.EXPERIMENT_REQUESTS.labels(
+                plan.experiment, plan.variant, metrics.status_class(st.status), plan.assignment
+            ).inc()
+            metrics.EXPERIMENT_DURATION.labels(plan.experiment, plan.variant).observe(time.monotonic() - st.start)
+        common = pb.CommonResponse(header_mutation=header_mutation(plan.headers))
+        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+        encoding = h.get("content-encoding", "identity").lower()
+        if plan.needs_body and 200 <= st.status < 300 and encoding == "identity" and not msg.end_of_stream:
+            ctype = h.get("content-type", "").lower()
+            if ctype.startswith("text/event-stream"):
+                st.rewriter = SSERewriter(
+                    plan.rewrite_model, plan.family, strip_injected_usage=plan.strip_injected_usage
+                )
+            elif "json" in ctype:
+                st.buffer = bytearray()
+            else:
+                return resp
+            common.header_mutation.remove_headers.append("content-length")
+            resp.mode_override.CopyFrom(_MODE_RESPONSE_STREAMED)
+        return resp
+
+    def _response_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        plan = st.route.plan if st.route is not None else None
+        out: bytes | None = None
+        if st.rewriter is not None:
+            out = st.rewriter.feed(msg.body)
+            if msg.end_of_stream:
+                out += st.rewriter.finish()
+                self._count_usage(plan, st.rewriter.usage)
+        elif st.buffer is not None:
+            st.buffer += msg.body
+            if len(st.buffer) > MAX_JSON_REWRITE:
+                # Too large to rewrite: release what was held and pass the rest through.
+                out = bytes(st.buffer)
+                st.buffer = None
+            elif msg.end_of_stream:
+                out, usage = rewrite_json_body(bytes(st.buffer), plan.rewrite_model, plan.family)
+                st.buffer = None
+                self._count_usage(plan, usage)
+            else:
+                out = b""
+        if out is None or (out == msg.body):
+            return pb.ProcessingResponse(response_body=pb.BodyResponse())
+        common = pb.CommonResponse()
+        if out:
+            common.body_mutation.body = out
+        else:
+            common.body_mutation.clear_body = True
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+
+    @staticmethod
+    def _count_usage(plan, usage) -> None:
+        if plan is None or plan.experiment is None or not plan.read_usage or not usage.seen:
+            return
+        if usage.prompt_tokens:
+            metrics.EXPERIMENT_TOKENS.labels(plan.experiment, plan.variant, "prompt").inc(usage.prompt_tokens)
+        if usage.completion_tokens:
+            metrics.EXPERIMENT_TOKENS.labels(plan.experiment, plan.variant, "completion").inc(usage.completion_tokens)

@@ -1,0 +1,549 @@
+"""Response rewriting and token-usage extraction for proxied LLM traffic.
+
+Two entry points:
+
+* :func:`rewrite_json_body` handles a complete (non-streamed) JSON response.
+* :class:`SSERewriter` handles a ``text/event-stream`` response that arrives in
+  chunks with arbitrary boundaries.
+
+Both optionally replace the model name reported by the upstream with the
+name the client asked for, and both collect token usage into a
+:class:`Usage`. Everything here is pure computation: no I/O, no logging.
+
+Family specific behaviour (``family`` is ``"openai"`` or ``"anthropic"``):
+
+openai
+    Chat Completions bodies and chunks carry a top-level ``model`` and
+    ``usage: {prompt_tokens, completion_tokens}``. Responses API bodies carry
+    a top-level ``model`` and ``usage: {input_tokens, output_tokens}``;
+    Responses API stream events carry both inside ``response``
+    (``{"type": "response.completed", "response": {"model": ..., "usage": ...}}``).
+anthropic
+    Message bodies carry a top-level ``model`` and
+    ``usage: {input_tokens, output_tokens}``. Streams carry the model and the
+    input count in ``message_start`` (``message.model``, ``message.usage``)
+    and the cumulative output count in every ``message_delta``
+    (``usage.output_tokens``; the last one is the total).
+
+Token counts that are not non-negative integers are read as ``0``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import orjson
+
+__all__ = [
+    "MAX_JSON_REWRITE",
+    "MAX_SSE_LINE",
+    "SSERewriter",
+    "Usage",
+    "rewrite_json_body",
+]
+
+MAX_JSON_REWRITE = 32 * 1024 * 1024
+"""JSON bodies longer than this many bytes are passed through untouched and
+their usage is not read. Read at call time, so it can be changed at runtime."""
+
+MAX_SSE_LINE = 16 * 1024 * 1024
+"""Default for :class:`SSERewriter` ``max_line``: an SSE event whose content
+exceeds this many bytes is forwarded unmodified instead of being buffered."""
+
+_FAMILIES = ("openai", "anthropic")
+
+# A blank line (end of an SSE event) starts at the second byte of the first
+# occurrence of one of these pairs; "\r\n" on its own is a single terminator.
+_BLANK_LINE = re.compile(rb"\n[\r\n]|\r\r")
+
+# Line-terminator styles seen so far in a stream; each selects a scanner
+# that is exact for all styles up to and including it.
+_LF_ONLY = 0
+_CRLF = 1
+_LONE_CR = 2
+
+_UNCHANGED = 0
+_CHANGED = 1
+_DROP = 2
+
+
+@dataclass
+class Usage:
+    """Token usage reported by the upstream.
+
+    ``seen`` is true once a usage object has been found in the response, so
+    a genuine zero can be told apart from "not reported".
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seen: bool = False
+
+
+def _count(value: object) -> int:
+    """Return ``value`` if it is a non-negative ``int`` (not ``bool``), else 0."""
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _read_openai_usage(u: dict, usage: Usage) -> None:
+    """Store an OpenAI usage object (Chat Completions or Responses API keys)."""
+    if "prompt_tokens" in u or "completion_tokens" in u:
+        usage.prompt_tokens = _count(u.get("prompt_tokens"))
+        usage.completion_tokens = _count(u.get("completion_tokens"))
+    else:
+        usage.prompt_tokens = _count(u.get("input_tokens"))
+        usage.completion_tokens = _count(u.get("output_tokens"))
+    usage.seen = True
+
+
+def _read_anthropic_usage(u: dict, usage: Usage) -> None:
+    """Store an Anthropic usage object (``input_tokens``/``output_tokens``)."""
+    usage.prompt_tokens = _count(u.get("input_tokens"))
+    usage.completion_tokens = _count(u.get("output_tokens"))
+    usage.seen = True
+
+
+def _check_family(family: str) -> None:
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown API family {family!r}; expected one of {_FAMILIES}")
+
+
+def rewrite_json_body(body: bytes, model: str | None, family: str) -> tuple[bytes, Usage]:
+    """Rewrite the top-level ``model`` of a complete JSON response and read its usage.
+
+    When ``model`` is not ``None`` and the body is a JSON object whose
+    top-level ``model`` is a string different from ``model``, returns the
+    object re-serialised as compact JSON with ``model`` replaced. In every
+    other case (``model`` is ``None``, nothing to change, not a JSON object,
+    invalid JSON, body longer than :data:`MAX_JSON_REWRITE`) returns ``body``
+    itself.
+
+    Usage is read from the top-level ``usage`` object: ``prompt_tokens`` /
+    ``completion_tokens`` or ``input_tokens`` / ``output_tokens`` for
+    ``"openai"``, ``input_tokens`` / ``output_tokens`` for ``"anthropic"``.
+    Bodies that are too large or not parsable yield an empty :class:`Usage`.
+
+    Raises ``ValueError`` for an unknown ``family``.
+    """
+    _check_family(family)
+    usage = Usage()
+    if len(body) > MAX_JSON_REWRITE:
+        return body, usage
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body, usage
+    if type(obj) is not dict:
+        return body, usage
+    u = obj.get("usage")
+    if type(u) is dict:
+        if family == "openai":
+            _read_openai_usage(u, usage)
+        else:
+            _read_anthropic_usage(u, usage)
+    if model is None:
+        return body, usage
+    current = obj.get("model")
+    if type(current) is not str or current == model:
+        return body, usage
+    obj["model"] = model
+    try:
+        return orjson.dumps(obj), usage
+    except (orjson.JSONEncodeError, TypeError):
+        return body, usage
+
+
+class SSERewriter:
+    """Incremental rewriter for one ``text/event-stream`` response.
+
+    Feed the response body chunk by chunk with :meth:`feed` and call
+    :meth:`finish` at end of stream. The concatenation of everything returned
+    does not depend on where the chunk boundaries fall.
+
+    Parsing follows the WHATWG event-stream format: lines end in ``\\n``,
+    ``\\r\\n`` or ``\\r``; an event ends at a blank line; ``data:`` takes an
+    optional single space; several ``data`` lines join with ``\\n``. Only
+    complete events are released. An event is re-serialised only when its
+    data is JSON that needs a change; then its data lines are replaced by a
+    single ``data: <compact json>`` line (at the position of the first data
+    line, ending like the first data line) and every other line, including
+    comments, ``event:``, ``id:`` and ``retry:`` lines and the terminating
+    blank line, is kept byte for byte. Every other event, e.g. ``data:
+    [DONE]``, non-JSON data or events without anything to rewrite, is
+    released byte-identical.
+
+    ``model``: the model name to put into responses, or ``None`` to leave
+    model names alone. For ``"openai"`` the top-level ``model`` of every chunk
+    is rewritten, and ``response.model`` of Responses API events
+    (``"type": "response.*"``); for ``"anthropic"`` ``message.model`` of
+    ``message_start`` events.
+
+    ``strip_injected_usage`` (``"openai"`` only) is for streams in which the
+    proxy itself requested ``stream_options.include_usage``: usage is still
+    read, but the final ``"choices": []`` chunk that carries it is dropped
+    (the whole event) and ``"usage": null`` is removed from the other chunks.
+
+    ``usage`` holds the token usage seen so far: OpenAI takes the last
+    non-null ``usage`` object of a chunk (or ``response.usage`` of a
+    Responses API event); Anthropic takes ``message.usage`` of
+    ``message_start`` and the cumulative ``usage.output_tokens`` of the last
+    ``message_delta``. Only data that contains the relevant key literally
+    (``"usage"``, ``"model"``, ``"message_start"``, ``"message_delta"``)
+    is parsed.
+
+    ``max_line`` (default :data:`MAX_SSE_LINE`) bounds memory: an event
+    whose content (everything before its blank line) is longer than this is
+    forwarded unmodified, without being rewritten or read, as soon as that
+    length is exceeded; processing resumes with the next event. At most about
+    ``max_line`` plus one chunk is held at any time.
+    """
+
+    __slots__ = (
+        "model",
+        "family",
+        "strip_injected_usage",
+        "max_line",
+        "usage",
+        "_openai",
+        "_buf",
+        "_scan",
+        "_passthrough",
+        "_prev",
+        "_lf_pending",
+        "_lf_emit",
+        "_mode",
+        "_cr_tail",
+    )
+
+    def __init__(
+        self,
+        model: str | None,
+        family: str,
+        *,
+        strip_injected_usage: bool = False,
+        max_line: int | None = None,
+    ) -> None:
+        _check_family(family)
+        self.model = model
+        self.family = family
+        self.strip_injected_usage = strip_injected_usage and family == "openai"
+        self.max_line = MAX_SSE_LINE if max_line is None else max_line
+        self.usage = Usage()
+        self._openai = family == "openai"
+        self._buf = bytearray()
+        self._scan = 0
+        self._passthrough = False
+        self._prev = b""
+        self._lf_pending = False
+        self._lf_emit = True
+        self._mode = _LF_ONLY
+        self._cr_tail = False
+
+    @property
+    def buffered(self) -> int:
+        """Number of bytes currently held back (part of an incomplete event)."""
+        return len(self._buf)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Consume the next piece of the stream and return what can be released now.
+
+        Every event completed by ``chunk`` is returned (rewritten where
+        needed); an incomplete trailing event stays buffered, unless it has
+        grown beyond ``max_line``, in which case it is released and the rest of
+        it is forwarded as it arrives.
+        """
+        if not chunk:
+            return b""
+        mode = self._mode
+        if mode != _LONE_CR and (self._cr_tail or 13 in chunk):
+            lone = chunk.count(13) - chunk.count(b"\r\n")
+            if self._cr_tail and chunk[0] != 10:
+                lone += 1
+            tail = chunk[-1] == 13
+            if tail:
+                lone -= 1
+            self._cr_tail = tail
+            mode = self._mode = _LONE_CR if lone else _CRLF
+        out = []
+        if self._lf_pending:
+            # The previous event ended in "\r" at a chunk boundary; a "\n"
+            # here completes that same line terminator.
+            self._lf_pending = False
+            if chunk[0] == 10:
+                if self._lf_emit:
+                    out.append(b"\n")
+                chunk = chunk[1:]
+                if not chunk:
+                    return b"".join(out)
+        if self._passthrough:
+            data = self._prev + chunk
+            m = _BLANK_LINE.search(data)
+            if m is None:
+                self._prev = chunk[-1:]
+                out.append(chunk)
+                return b"".join(out)
+            end = self._blank_end(data, m.start() + 1, True)
+            out.append(data[1:end])
+            self._passthrough = False
+            self._prev = b""
+            chunk = data[end:]
+            if not chunk:
+                return b"".join(out)
+
+        buf = self._buf
+        if buf:
+            buf += chunk
+            data = buf
+            search = self._scan
+        else:
+            data = chunk
+            search = 0
+        n = len(data)
+        pos = 0
+        raw_from = 0
+        max_line = self.max_line
+        while pos < n:
+            c = data[pos]
+            if c == 10 or c == 13:
+                b = pos
+            elif mode == _LF_ONLY:
+                i = data.find(10, search if search > pos else pos)
+                while i != -1 and i + 1 < n and data[i + 1] != 10:
+                    i = data.find(10, i + 1)
+                if i == -1 or i + 1 == n:
+                    break
+                b = i + 1
+            elif mode == _CRLF:
+                i = data.find(10, search if search > pos else pos)
+                while i != -1 and i + 1 < n and data[i + 1] != 10 and data[i + 1] != 13:
+                    i = data.find(10, i + 1)
+                if i == -1 or i + 1 == n:
+                    break
+                b = i + 1
+            else:
+                m = _BLANK_LINE.search(data, search if search > pos else pos)
+                if m is None:
+                    break
+                b = m.start() + 1
+            if b == pos:
+                pos = self._blank_end(data, b, True)
+                continue
+            if b - pos > max_line:
+                pos = self._blank_end(data, b, True)
+                continue
+            content = data[pos:b]
+            if data is buf:
+                content = bytes(content)
+            result = self._event(content)
+            end = self._blank_end(data, b, result is not None)
+            if result is not content:
+                if raw_from < pos:
+                    out.append(data[raw_from:pos])
+                if result is not None:
+                    out.append(result)
+                    out.append(data[b:end])
+                raw_from = end
+            pos = end
+
+        if n - pos > max_line:
+            self._passthrough = True
+            self._prev = bytes(data[n - 1 :])
+            out.append(data[raw_from:])
+            self._buf = bytearray()
+            self._scan = 0
+        else:
+            if raw_from < pos:
+                out.append(data[raw_from:pos])
+            if data is buf:
+                if pos == n:
+                    self._buf = bytearray()
+                elif pos:
+                    del buf[:pos]
+            elif pos < n:
+                self._buf = bytearray(data[pos:])
+            self._scan = len(self._buf) - 1
+        if len(out) == 1:
+            piece = out[0]
+            return piece if type(piece) is bytes else bytes(piece)
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """Release whatever is still buffered at end of stream and reset.
+
+        A buffered remainder that ends with a line terminator (an event
+        missing only its blank line) is processed like a complete event; any
+        other remainder is released as is.
+        """
+        rest = bytes(self._buf)
+        self._buf = bytearray()
+        self._scan = 0
+        self._passthrough = False
+        self._prev = b""
+        self._lf_pending = False
+        self._lf_emit = True
+        self._mode = _LF_ONLY
+        self._cr_tail = False
+        if not rest:
+            return b""
+        if rest[-1] in (10, 13) and len(rest) <= self.max_line:
+            result = self._event(rest)
+            return b"" if result is None else result
+        return rest
+
+    def _blank_end(self, data, b: int, emit: bool) -> int:
+        """Return the end of the blank line starting at ``b``.
+
+        A ``"\\r"`` that is the last available byte may be the first half of
+        ``"\\r\\n"``; the decision is deferred to the next :meth:`feed`, which
+        forwards (``emit``) or swallows a leading ``"\\n"``.
+        """
+        if data[b] == 10:
+            return b + 1
+        if b + 1 < len(data):
+            return b + 2 if data[b + 1] == 10 else b + 1
+        self._lf_pending = True
+        self._lf_emit = emit
+        return b + 1
+
+    def _event(self, content: bytes) -> bytes | None:
+        """Process one event's lines (without its blank line).
+
+        Returns ``content`` itself when unchanged, the rewritten lines, or
+        ``None`` when the event is to be dropped.
+        """
+        last = len(content) - 1
+        if content.startswith(b"data:") and content.find(10) == last and content.find(13) in (-1, last - 1):
+            lines = None
+            term = b"\n" if content[-2] != 13 else b"\r\n"
+            cut = len(term)
+            data = content[6:-cut] if content[5] == 32 else content[5:-cut]
+        else:
+            lines, idx, data = self._split(content)
+            if lines is None:
+                return content
+
+        if self._openai:
+            if (self.model is None or data.find(b'"model"') < 0) and data.find(b'"usage"') < 0:
+                return content
+        elif data.find(b'"message_start"') < 0 and data.find(b'"message_delta"') < 0:
+            return content
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return content
+        if type(obj) is not dict:
+            return content
+        action = self._openai_obj(obj) if self._openai else self._anthropic_obj(obj)
+        if action == _UNCHANGED:
+            return content
+        if action == _DROP:
+            return None
+        try:
+            payload = orjson.dumps(obj)
+        except (orjson.JSONEncodeError, TypeError):
+            return content
+        if lines is None:
+            return b"data: " + payload + term
+
+        first = lines[idx[0]]
+        if first.endswith(b"\r\n"):
+            term = b"\r\n"
+        elif first.endswith(b"\n"):
+            term = b"\n"
+        elif first.endswith(b"\r"):
+            term = b"\r"
+        else:
+            term = b""
+        new_line = b"data: " + payload + term
+        if len(lines) == 1:
+            return new_line
+        data_idx = set(idx)
+        data_idx.discard(idx[0])
+        lines[idx[0]] = new_line
+        return b"".join([line for i, line in enumerate(lines) if i not in data_idx])
+
+    @staticmethod
+    def _split(content: bytes):
+        """Split an event into lines and collect its data field.
+
+        Returns ``(lines, data_line_indices, data)``, or ``(None, None, None)``
+        when the event has no data field.
+        """
+        lines = content.splitlines(True)
+        values = []
+        idx = []
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data"):
+                continue
+            ll = len(line)
+            last = line[-1]
+            if last == 10:
+                ll -= 2 if ll > 1 and line[-2] == 13 else 1
+            elif last == 13:
+                ll -= 1
+            if ll == 4:
+                values.append(b"")
+            elif line[4] == 58:
+                values.append(line[6:ll] if ll > 5 and line[5] == 32 else line[5:ll])
+            else:
+                continue
+            idx.append(i)
+        if not idx:
+            return None, None, None
+        return lines, idx, (values[0] if len(values) == 1 else b"\n".join(values))
+
+    def _openai_obj(self, obj: dict) -> int:
+        """Apply OpenAI rules to a parsed chunk; return the action to take."""
+        action = _UNCHANGED
+        if "usage" in obj:
+            u = obj["usage"]
+            if type(u) is dict:
+                _read_openai_usage(u, self.usage)
+                if self.strip_injected_usage and obj.get("choices") == []:
+                    return _DROP
+            elif u is None and self.strip_injected_usage:
+                del obj["usage"]
+                action = _CHANGED
+        model = self.model
+        if model is not None:
+            current = obj.get("model")
+            if type(current) is str and current != model:
+                obj["model"] = model
+                action = _CHANGED
+        resp = obj.get("response")
+        if type(resp) is dict:
+            kind = obj.get("type")
+            if type(kind) is str and kind.startswith("response."):
+                if model is not None:
+                    current = resp.get("model")
+                    if type(current) is str and current != model:
+                        resp["model"] = model
+                        action = _CHANGED
+                u = resp.get("usage")
+                if type(u) is dict:
+                    _read_openai_usage(u, self.usage)
+        return action
+
+    def _anthropic_obj(self, obj: dict) -> int:
+        """Apply Anthropic rules to a parsed event; return the action to take."""
+        kind = obj.get("type")
+        if kind == "message_start":
+            msg = obj.get("message")
+            if type(msg) is not dict:
+                return _UNCHANGED
+            u = msg.get("usage")
+            if type(u) is dict:
+                _read_anthropic_usage(u, self.usage)
+            model = self.model
+            current = msg.get("model")
+            if model is not None and type(current) is str and current != model:
+                msg["model"] = model
+                return _CHANGED
+        elif kind == "message_delta":
+            u = obj.get("usage")
+            if type(u) is dict:
+                if "output_tokens" in u:
+                    self.usage.completion_tokens = _count(u["output_tokens"])
+                self.usage.seen = True
+        return _UNCHANGED

@@ -1,0 +1,184 @@
+"""``model-router serve``: the gRPC ext_proc server plus the admin HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Mapping
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+
+from . import config as config_mod
+from . import metrics, snapshot
+from .extproc import Processor
+
+log = logging.getLogger("model_router.server")
+
+
+class Runtime:
+    """Holds the current snapshot; a reload swaps it in one assignment."""
+
+    def __init__(self, path: str | Path, url_overrides: Mapping[str, str] | None = None):
+        self.path = Path(path)
+        self.url_overrides = dict(url_overrides or {})
+        loaded = config_mod.load(self.path)
+        for w in loaded.warnings:
+            log.warning("config: %s", w)
+        self.snapshot = snapshot.build(loaded.config, self.url_overrides)
+        self._stamp = self._file_stamp()
+        self.ready = False
+        metrics.CONFIG_RELOADS.labels("success").inc()
+        metrics.CONFIG_LOADED.set(time.time())
+
+    def _file_stamp(self):
+        try:
+            st = self.path.stat()
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            return None
+
+    def reload_if_changed(self) -> bool | None:
+        """Reload when the file changed. True: applied, False: rejected, None: unchanged."""
+        stamp = self._file_stamp()
+        if stamp is None or stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        return self.reload()
+
+    def reload(self) -> bool:
+        try:
+            loaded = config_mod.load(self.path)
+            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
+        except (config_mod.ConfigError, ValueError) as exc:
+            metrics.CONFIG_RELOADS.labels("failure").inc()
+            problems = exc.errors if isinstance(exc, config_mod.ConfigError) else [str(exc)]
+            log.error("config reload rejected, the previous config keeps serving: %s", "; ".join(problems))
+            return False
+        for w in loaded.warnings:
+            log.warning("config: %s", w)
+        self.snapshot = new
+        metrics.CONFIG_RELOADS.labels("success").inc()
+        metrics.CONFIG_LOADED.set(time.time())
+        log.info("config reloaded from %s", self.path)
+        return True
+
+
+def _admin_app(runtime: Runtime) -> web.Application:
+    def authorized(request: web.Request) -> bool:
+        token = runtime.snapshot.config.server.admin_token
+        if not token:
+            return False
+        given = request.headers.get("authorization", "")
+        if given.lower().startswith("bearer "):
+            given = given[7:].strip()
+        return hmac.compare_digest(given.encode(), token.encode())
+
+    async def healthz(_request):
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_request):
+        if runtime.ready:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "starting"}, status=503)
+
+    async def metrics_view(_request):
+        return web.Response(body=generate_latest(metrics.REGISTRY), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def reload_view(request):
+        if not authorized(request):
+            return web.json_response({"error": "admin token required"}, status=401)
+        ok = runtime.reload()
+        return web.json_response({"reloaded": ok}, status=200 if ok else 422)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_post("/admin/reload", reload_view)
+    return app
+
+
+def _split_listen(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def serve_async(
+    config_path: str,
+    *,
+    grpc_listen: str | None = None,
+    admin_listen: str | None = None,
+    url_overrides: Mapping[str, str] | None = None,
+) -> None:
+    runtime = Runtime(config_path, url_overrides)
+    cfg = runtime.snapshot.config.server
+    grpc_listen = grpc_listen or cfg.grpc_listen
+    admin_listen = admin_listen or cfg.admin_listen
+    limit = cfg.max_body_bytes + 1024 * 1024
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    )
+    pbg.add_ExternalProcessorServicer_to_server(Processor(runtime), server)
+    try:
+        from .assign_service import add_to_server
+
+        add_to_server(server, runtime)
+    except ImportError:
+        pass
+    port = server.add_insecure_port(grpc_listen)
+    if port == 0:
+        raise SystemExit(f"cannot listen for gRPC on {grpc_listen}")
+    await server.start()
+
+    runner = web.AppRunner(_admin_app(runtime), access_log=None)
+    await runner.setup()
+    host, aport = _split_listen(admin_listen)
+    site = web.TCPSite(runner, host, aport)
+    await site.start()
+    runtime.ready = True
+    log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
+    print(f"model-router sidecar ready: gRPC {grpc_listen}, admin http://{admin_listen}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(runtime.snapshot.config.server.reload_interval_ms / 1000)
+            runtime.reload_if_changed()
+
+    watcher = asyncio.create_task(watch())
+    await stop.wait()
+    runtime.ready = False
+    watcher.cancel()
+    await server.stop(grace=5)
+    await runner.cleanup()
+
+
+def serve(config_path: str, **kwargs) -> None:
+    logging.basicConfig(
+        level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        import uvloop
+
+        uvloop.run(serve_async(config_path, **kwargs))
+    except ImportError:
+        asyncio.run(serve_async(config_path, **kwargs))

@@ -1,0 +1,121 @@
+"""An immutable, request-ready view of one configuration.
+
+Built once per config load (and again when a backend's discovered model list
+changes); the request path only reads dictionaries from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+from urllib.parse import urlsplit
+
+from .config import ApiKey, Backend, Config, Experiment
+
+BACKEND_HEADER = "x-model-router-backend"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    url: str  # effective URL (demo:// replaced by the engine's address)
+    family: str
+    base_path: str  # prefix joined before the ingress's upstream path
+    host: str
+    port: int
+    tls: bool
+    api_key: str | None
+    internal: bool
+    weight: int
+    config: Backend
+
+
+def _split(url: str) -> tuple[str, int, bool, str]:
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    path = parts.path.rstrip("/")
+    # Operators often paste an SDK base URL; the ingress paths carry /v1 already.
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return parts.hostname or "", port, tls, path
+
+
+@dataclass(frozen=True)
+class ExperimentInfo:
+    index: int
+    config: Experiment
+    variants: tuple[tuple[str, int], ...]  # (id, weight), declared order
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    config: Config
+    backends: Mapping[str, BackendInfo]
+    keys: Mapping[str, ApiKey] | None  # None: every caller is admitted
+    aliases: Mapping[str, str]
+    experiments: Mapping[str, ExperimentInfo]  # by client-facing model
+    served: Mapping[str, tuple[str, ...]]  # model -> backends serving it, config order
+    default_backend: str | None
+    discovered: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.config.server.max_body_bytes
+
+    @property
+    def response_phase(self) -> bool:
+        """Whether any model-routed request may need its response seen."""
+        return bool(self.experiments)
+
+
+def effective_url(backend: Backend, overrides: Mapping[str, str]) -> str:
+    url = overrides.get(backend.name, backend.url)
+    if url == "demo://":
+        raise ValueError(f"backend '{backend.name}' uses demo:// and has no running demo engine address")
+    return url
+
+
+def build(
+    config: Config,
+    url_overrides: Mapping[str, str] | None = None,
+    discovered: Mapping[str, tuple[str, ...]] | None = None,
+) -> Snapshot:
+    overrides = url_overrides or {}
+    discovered = dict(discovered or {})
+    backends: dict[str, BackendInfo] = {}
+    served: dict[str, list[str]] = {}
+    for b in config.backends:
+        url = overrides.get(b.name, b.url)
+        host, port, tls, path = _split(url) if url != "demo://" else ("", 0, False, "")
+        backends[b.name] = BackendInfo(
+            name=b.name, url=url, family=b.family, base_path=path, host=host, port=port, tls=tls,
+            api_key=b.api_key, internal=b.internal, weight=b.weight, config=b,
+        )
+        if not b.enabled:
+            continue
+        models = list(b.models or ())
+        for m in discovered.get(b.name, ()):
+            if m not in models:
+                models.append(m)
+        for m in models:
+            served.setdefault(m, []).append(b.name)
+    keys = None
+    if config.api_keys is not None:
+        keys = MappingProxyType({k.key: k for k in config.api_keys})
+    experiments = {
+        e.model: ExperimentInfo(i, e, tuple((v.id, v.weight) for v in e.variants))
+        for i, e in enumerate(config.model_experiments)
+    }
+    default = next((b.name for b in config.backends if b.enabled and not b.internal), None)
+    return Snapshot(
+        config=config,
+        backends=MappingProxyType(backends),
+        keys=keys,
+        aliases=MappingProxyType(dict(config.model_aliases)),
+        experiments=MappingProxyType(experiments),
+        served=MappingProxyType({m: tuple(v) for m, v in served.items()}),
+        default_backend=default,
+        discovered=MappingProxyType({k: tuple(v) for k, v in discovered.items()}),
+    )

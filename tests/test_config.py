@@ -1,0 +1,166 @@
+"""Config loading: every rejection names the offending field path."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.cli import template_text
+from sidecar.config import ConfigError, parse
+
+BASE = """
+backends:
+  - name: a
+    url: http://127.0.0.1:9000
+    models: [m1, m2]
+  - name: b
+    url: https://api.example.com/v1
+    models: [m3]
+    api_key: ${KEY_B}
+"""
+
+
+def errors_of(text: str, env: dict | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse(text, env=env if env is not None else {"KEY_B": "x"})
+    return info.value.errors
+
+
+def test_template_is_valid():
+    loaded = parse(template_text("ab-testing"), env={})
+    assert loaded.config.model_experiments[0].model == "chat"
+    assert loaded.warnings == []
+
+
+def test_env_substitution_and_default():
+    cfg = parse(BASE + "\nserver: {admin_token: '${TOKEN:-fallback}'}\n", env={"KEY_B": "sk-1"}).config
+    assert cfg.backends[1].api_key == "sk-1"
+    assert cfg.server.admin_token == "fallback"
+
+
+def test_missing_env_names_path():
+    assert errors_of(BASE, env={}) == ["backends[1].api_key: environment variable KEY_B is not set"]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("bogus: 1", "bogus: unknown field"),
+        ("server: {max_body_bytes: 1}", "server.max_body_bytes: must be >= 1024"),
+        ("server: {grpc_listen: nowhere}", "server.grpc_listen: must be host:port"),
+        ("proxy: {variant_suffixes: {enabled: 3}}", "proxy.variant_suffixes.enabled: must be true or false"),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 1}, {id: b, model: m2, weight: 1000001}]}]",
+            "model_experiments[0].variants[1].weight: must be <= 1000000",
+        ),
+        (
+            "model_experiments: [{name: 'bad name', model: chat, variants: [{id: a, model: m1, weight: 1}]}]",
+            "model_experiments[0].name: must match [A-Za-z0-9._-]{1,64}",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, sticky_key: cookie, variants: [{id: a, model: m1, weight: 1}]}]",
+            "model_experiments[0].sticky_key: must be api_key, user, none or header:<name>",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, sticky_ttl: 30s, variants: [{id: a, model: m1, weight: 1}]}]",
+            "model_experiments[0].sticky_ttl: must be between 60s and 365d",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, sticky_ttl: 1w, variants: [{id: a, model: m1, weight: 1}]}]",
+            "model_experiments[0].sticky_ttl: must be a whole number with an optional s, m, h or d unit",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 0}]}]",
+            "model_experiments[0].variants: at least one variant needs a weight above 0",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 1}, {id: a, model: m2, weight: 1}]}]",
+            "model_experiments[0].variants[1].id: duplicate variant id 'a'",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 1, backends: [nope]}]}]",
+            "model_experiments[0].variants[0].backends[0]: unknown backend 'nope'",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 1, backends: [b]}]}]",
+            "model_experiments[0].variants[0].model: none of the pinned backends lists 'm1'",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, hide_variant_models: true, variants: [{id: a, model: chat, weight: 1}]}]",
+            "model_experiments[0].variants[0].model: a hidden experiment cannot use its own client model 'chat' as a variant",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 1}]}, {name: e, model: chat2, variants: [{id: a, model: chat, weight: 1}]}]",
+            "model_experiments[1].name: duplicate experiment name 'e'",
+        ),
+        (
+            "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: 1}]}, {name: f, model: chat2, variants: [{id: a, model: chat, weight: 1}]}]",
+            "model_experiments[1].variants[0].model: 'chat' is the client model of another experiment; experiments cannot chain",
+        ),
+        ("api_keys: [{key: k, id: x, allowed_backends: [zz]}]", "api_keys[0].allowed_backends[0]: unknown backend 'zz'"),
+        ("api_keys: [{key: '  ', id: x}]", "api_keys[0].key: must not be blank"),
+    ],
+)
+def test_rejections_name_the_field(extra, expected):
+    assert expected in errors_of(BASE + extra + "\n")
+
+
+def test_backend_rules():
+    text = """
+backends:
+  - {name: model-router-sidecar, url: 'http://127.0.0.1:1'}
+  - {name: ok, url: 'ftp://x'}
+  - {name: 'bad/name', url: 'http://x'}
+"""
+    errs = errors_of(text)
+    assert "backends[0].name: 'model-router-sidecar' is reserved for the sidecar's own cluster" in errs
+    assert "backends[1].url: must be an http:// or https:// URL, or demo://" in errs
+    assert "backends[2].name: must match [A-Za-z0-9._-]{1,64}" in errs
+
+
+def test_duplicate_backend_and_control_characters():
+    errs = errors_of("backends: [{name: a, url: 'http://x'}, {name: a, url: 'http://y', models: [\"bad\\x01\"]}]")
+    assert any(e.startswith("backends[1].models") and "control characters" in e for e in errs)
+    errs = errors_of("backends: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]")
+    assert errs == ["backends[1].name: duplicate backend name 'a'"]
+
+
+def test_type_errors_read_plainly():
+    errs = errors_of(BASE + "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: lots}]}]\nbackends_x: 1\n")
+    assert "model_experiments[0].variants[0].weight: must be a whole number" in errs
+    assert "backends_x: unknown field" in errs
+    assert errors_of("backends: {a: 1}") == ["backends: must be a list"]
+
+
+def test_every_error_is_reported_at_once():
+    errs = errors_of(BASE + "bogus: 1\nserver: {workers: 0, max_body_bytes: 5}\n")
+    assert {"bogus: unknown field", "server.workers: must be >= 1", "server.max_body_bytes: must be >= 1024"} <= set(errs)
+
+
+def test_warnings():
+    loaded = parse(
+        BASE
+        + """
+model_aliases: {fast: m2}
+model_experiments:
+  - {name: e, model: chat, sticky_key: none, sticky_ttl: 7d, hide_variant_models: true,
+     variants: [{id: a, model: m1, weight: 1}, {id: b, model: m2, weight: 1}]}
+  - {name: f, model: chat2, variants: [{id: a, model: m1, weight: 1}]}
+""",
+        env={"KEY_B": "x"},
+    )
+    w = loaded.warnings
+    assert "model_experiments[0].sticky_ttl: has no effect with sticky_key: none" in w
+    assert any(x.startswith("model_aliases.fast: points at 'm2'") for x in w)
+    assert any(x.startswith("model_experiments[1].variants[0].model: 'm1' is reserved") for x in w)
+    assert loaded.config.model_experiments[0].sticky_ttl == 7 * 86400
+
+
+def test_not_yaml_and_not_mapping():
+    assert errors_of("a: [")[0].startswith("(root): not valid YAML")
+    assert errors_of("- 1\n") == ["(root): must be a mapping of sections"]
+
+
+def test_config_is_immutable():
+    cfg = parse(BASE, env={"KEY_B": "x"}).config
+    with pytest.raises(Exception):
+        cfg.backends[0].name = "z"
