@@ -128,7 +128,7 @@ def cmd_up(args) -> int:
     print(f"""
 model-router is up.
   public URL (Envoy):   {stack.url}
-  sidecar metrics:      http://{stack.sidecar_admin}/metrics
+  sidecar metrics:      http://{stack.sidecar_admin[0]}/metrics
   Envoy admin:          http://{stack.envoy_admin}
   logs:                 {stack.workdir}
 

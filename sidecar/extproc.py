@@ -51,6 +51,14 @@ _MODE_NOTHING_MORE = pm.ProcessingMode(
     request_trailer_mode=pm.ProcessingMode.SKIP,
     response_trailer_mode=pm.ProcessingMode.SKIP,
 )
+_MODE_RESPONSE_BUFFERED = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND,
+    request_body_mode=pm.ProcessingMode.NONE,
+    response_header_mode=pm.ProcessingMode.SEND,
+    response_body_mode=pm.ProcessingMode.BUFFERED,
+    request_trailer_mode=pm.ProcessingMode.SKIP,
+    response_trailer_mode=pm.ProcessingMode.SKIP,
+)
 _MODE_RESPONSE_STREAMED = pm.ProcessingMode(
     request_header_mode=pm.ProcessingMode.SEND,
     request_body_mode=pm.ProcessingMode.NONE,
@@ -100,7 +108,9 @@ def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
 class _Stream:
     """Per-request state kept for the life of one ext_proc stream."""
 
-    __slots__ = ("start", "ingress", "headers", "path", "caller", "route", "rewriter", "buffer", "status", "counted")
+    __slots__ = (
+        "start", "ingress", "headers", "path", "caller", "route", "rewriter", "buffer", "buffered", "status", "counted",
+    )
 
     def __init__(self) -> None:
         self.start = time.monotonic()
@@ -111,6 +121,7 @@ class _Stream:
         self.route: decide.Route | None = None
         self.rewriter: SSERewriter | None = None
         self.buffer: bytearray | None = None
+        self.buffered = False
         self.status = 0
         self.counted = False
 
@@ -252,24 +263,40 @@ class Processor(pbg.ExternalProcessorServicer):
         common = pb.CommonResponse(header_mutation=header_mutation(plan.headers))
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
         encoding = h.get("content-encoding", "identity").lower()
-        if plan.needs_body and 200 <= st.status < 300 and encoding == "identity" and not msg.end_of_stream:
-            ctype = h.get("content-type", "").lower()
-            if ctype.startswith("text/event-stream"):
-                st.rewriter = SSERewriter(
-                    plan.rewrite_model, plan.family, strip_injected_usage=plan.strip_injected_usage
-                )
-            elif "json" in ctype:
+        if not (plan.needs_body and 200 <= st.status < 300 and encoding == "identity" and not msg.end_of_stream):
+            return resp
+        ctype = h.get("content-type", "").lower()
+        if ctype.startswith("text/event-stream"):
+            st.rewriter = SSERewriter(plan.rewrite_model, plan.family, strip_injected_usage=plan.strip_injected_usage)
+        elif "json" not in ctype:
+            return resp
+        length = h.get("content-length")
+        if length is None:
+            # Chunked: stream it; JSON is held in the sidecar until its end.
+            if st.rewriter is None:
                 st.buffer = bytearray()
-            else:
-                return resp
-            common.header_mutation.remove_headers.append("content-length")
             resp.mode_override.CopyFrom(_MODE_RESPONSE_STREAMED)
+        elif length.isdigit() and int(length) <= MAX_JSON_REWRITE:
+            # A declared length must stay true: Envoy holds the headers until the
+            # whole body is processed, and the new length is set with it.
+            st.buffered = True
+            resp.mode_override.CopyFrom(_MODE_RESPONSE_BUFFERED)
+        else:
+            st.rewriter = None
         return resp
 
     def _response_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        plan = st.route.plan if st.route is not None else None
+        plan = st.route.plan
         out: bytes | None = None
-        if st.rewriter is not None:
+        if st.buffered:
+            # The whole body, headers still held (BUFFERED).
+            if st.rewriter is not None:
+                out = st.rewriter.feed(msg.body) + st.rewriter.finish()
+                usage = st.rewriter.usage
+            else:
+                out, usage = rewrite_json_body(msg.body, plan.rewrite_model, plan.family)
+            self._count_usage(plan, usage)
+        elif st.rewriter is not None:
             out = st.rewriter.feed(msg.body)
             if msg.end_of_stream:
                 out += st.rewriter.finish()
@@ -286,13 +313,15 @@ class Processor(pbg.ExternalProcessorServicer):
                 self._count_usage(plan, usage)
             else:
                 out = b""
-        if out is None or (out == msg.body):
+        if out is None or out == msg.body:
             return pb.ProcessingResponse(response_body=pb.BodyResponse())
         common = pb.CommonResponse()
         if out:
             common.body_mutation.body = out
         else:
             common.body_mutation.clear_body = True
+        if st.buffered:
+            common.header_mutation.CopyFrom(header_mutation((("content-length", str(len(out))),)))
         return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
 
     @staticmethod

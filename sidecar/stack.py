@@ -58,8 +58,9 @@ class Stack:
     envoy_concurrency: int = 2
     workdir: Path | None = None
     demo_urls: dict[str, str] = field(default_factory=dict)
-    sidecar_grpc: str = ""
-    sidecar_admin: str = ""
+    sidecars: int = 1  # sidecar processes, each a separate endpoint of the ext_proc cluster
+    sidecar_grpc: list[str] = field(default_factory=list)
+    sidecar_admin: list[str] = field(default_factory=list)
     envoy_admin: str = ""
     _procs: dict[str, _Proc] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
@@ -85,8 +86,8 @@ class Stack:
             raise StackError("invalid config:\n  " + "\n  ".join(exc.errors)) from None
         cfg = loaded.config
         self.listen = self.listen or f"127.0.0.1:{free_port()}"
-        self.sidecar_grpc = f"127.0.0.1:{free_port()}"
-        self.sidecar_admin = f"127.0.0.1:{free_port()}"
+        self.sidecar_grpc = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
+        self.sidecar_admin = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
         self.envoy_admin = f"127.0.0.1:{free_port()}"
         py = [sys.executable, "-m", "sidecar"]
         try:
@@ -98,9 +99,10 @@ class Stack:
                     for m in b.models or ["demo-model"]:
                         argv += ["--model", m]
                     self._spawn(f"demo-{b.name}", argv)
-            self._spawn("sidecar", self.sidecar_argv())
+            for i in range(self.sidecars):
+                self._spawn(f"sidecar-{i}", self.sidecar_argv(i))
             boot = envoyconf.bootstrap(
-                cfg, sidecar_addresses=[self.sidecar_grpc], backend_urls=self.demo_urls,
+                cfg, sidecar_addresses=self.sidecar_grpc, backend_urls=self.demo_urls,
                 listen=self.listen, admin_listen=self.envoy_admin,
             )
             envoy_yaml = self.workdir / "envoy.yaml"
@@ -109,7 +111,8 @@ class Stack:
             deadline = time.monotonic() + timeout
             for name, url in self.demo_urls.items():
                 self._wait_http(f"demo-{name}", url + "/health", deadline)
-            self._wait_http("sidecar", f"http://{self.sidecar_admin}/readyz", deadline)
+            for i, admin in enumerate(self.sidecar_admin):
+                self._wait_http(f"sidecar-{i}", f"http://{admin}/readyz", deadline)
             self._wait_http("envoy", f"http://{self.envoy_admin}/ready", deadline)
             self._wait_tcp("envoy", self.listen, deadline)
         except BaseException:
@@ -138,19 +141,29 @@ class Stack:
         container.start()
         self._container = container
 
-    def sidecar_argv(self) -> list[str]:
+    def sidecar_argv(self, i: int = 0) -> list[str]:
         argv = [sys.executable, "-m", "sidecar", "serve", "--config", str(self.config_path),
-                "--grpc-listen", self.sidecar_grpc, "--admin-listen", self.sidecar_admin]
+                "--grpc-listen", self.sidecar_grpc[i], "--admin-listen", self.sidecar_admin[i]]
         for name, url in self.demo_urls.items():
             argv += ["--backend-url", f"{name}={url}"]
         return argv
 
-    def stop_sidecar(self, sig: int = signal.SIGTERM) -> None:
-        self._stop(self._procs["sidecar"], sig)
+    def stop_sidecar(self, i: int | None = None, sig: int = signal.SIGTERM) -> None:
+        """Stop sidecar process ``i`` (all of them when None)."""
+        for j in range(self.sidecars) if i is None else [i]:
+            self._stop(self._procs[f"sidecar-{j}"], sig)
 
-    def start_sidecar(self, timeout: float = 30.0) -> None:
-        self._spawn("sidecar", self.sidecar_argv())
-        self._wait_http("sidecar", f"http://{self.sidecar_admin}/readyz", time.monotonic() + timeout)
+    def start_sidecar(self, i: int | None = None, timeout: float = 30.0) -> None:
+        indexes = list(range(self.sidecars)) if i is None else [i]
+        for j in indexes:
+            self._spawn(f"sidecar-{j}", self.sidecar_argv(j))
+        deadline = time.monotonic() + timeout
+        for j in indexes:
+            self._wait_http(f"sidecar-{j}", f"http://{self.sidecar_admin[j]}/readyz", deadline)
+
+    def metrics_text(self) -> list[str]:
+        """The /metrics page of every sidecar process."""
+        return [urllib.request.urlopen(f"http://{a}/metrics", timeout=5).read().decode() for a in self.sidecar_admin]
 
     def log(self, name: str) -> str:
         proc = self._procs.get(name)
