@@ -121,7 +121,7 @@ def _window(caller0: bytes, ttl: int, unix_time: float) -> tuple[int, int]:
     return offset, window
 
 
-def _is_blank(sticky_value: str | None) -> bool:
+def is_blank(sticky_value: str | None) -> bool:
     return sticky_value is None or not sticky_value or sticky_value.isspace()
 
 
@@ -203,7 +203,7 @@ class Race:
         """Winning variant index only (no per-variant objects allocated)."""
         best = -1
         best_score = _INF
-        if _is_blank(sticky_value):
+        if is_blank(sticky_value):
             block = self._random_block(random_bytes)
             k = 0
             for i, _vid, _enc, _w, fw in self._racers:
@@ -232,7 +232,7 @@ class Race:
         scores: list[Score | None] = list(self._zero_scores)
         best = -1
         best_score = _INF
-        if _is_blank(sticky_value):
+        if is_blank(sticky_value):
             sticky = False
             window = None
             block = self._random_block(random_bytes)

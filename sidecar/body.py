@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl
 import orjson
 
 MAX_MODEL_NAME = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class BodyError(Exception):
@@ -27,7 +28,7 @@ def check_model_name(model: Any) -> str:
         raise BodyError("missing_model", "The 'model' field must not be empty.")
     if len(model) > MAX_MODEL_NAME:
         raise BodyError("invalid_request", f"The 'model' field is longer than {MAX_MODEL_NAME} characters.")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in model):
+    if _CONTROL.search(model):
         raise BodyError("invalid_request", "The 'model' field must not contain control characters.")
     return model
 
@@ -113,6 +114,27 @@ def top_level_spans(body: bytes, keys: set[str]) -> dict[str, list[tuple[int, in
     return spans
 
 
+def _fast_spans(body: bytes, values: dict[str, object]) -> dict[str, list[tuple[int, int]]] | None:
+    """The common case without a scan: a lone literal ``"key"`` in a body with no
+    ``\\u`` escapes can only be the top-level key (a key spelled with escapes, or
+    another occurrence, sends the body to the full scan)."""
+    if len(values) != 1 or b"\\u" in body:
+        return None
+    (key,) = values
+    needle = orjson.dumps(key)
+    if body.count(needle) != 1:
+        return None
+    pos = body.index(needle) + len(needle)
+    while pos < len(body) and body[pos] in _WS:
+        pos += 1
+    if pos >= len(body) or body[pos] != 0x3A:  # not followed by ':' -> not a key
+        return None
+    pos += 1
+    while body[pos] in _WS:
+        pos += 1
+    return {key: [(pos, _value_end(body, pos))]}
+
+
 def set_top_level(body: bytes, values: dict[str, object]) -> bytes:
     """Set top-level keys of a JSON object body, leaving every other byte as it was.
 
@@ -120,7 +142,7 @@ def set_top_level(body: bytes, values: dict[str, object]) -> bytes:
     are inserted first. Numbers, spacing and key order elsewhere are untouched,
     so nothing the client sent is re-encoded.
     """
-    spans = top_level_spans(body, set(values))
+    spans = _fast_spans(body, values) or top_level_spans(body, set(values))
     edits = [(s, e, orjson.dumps(values[k])) for k, lst in spans.items() for s, e in lst]
     missing = [k for k in values if k not in spans]
     if missing:

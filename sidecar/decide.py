@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from . import assignment, errors
+from . import errors
+from .assignment import is_blank
 from .body import (
     BodyError, check_model_name, multipart_model, parse_json, query_model, replace_field, replace_query_model,
     set_top_level,
@@ -55,7 +56,7 @@ def authenticate(snap: Snapshot, headers: Mapping[str, str], family: str) -> Cal
     return Caller(key, entry)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
     ingress: Ingress
     path: str
@@ -68,7 +69,7 @@ class Request:
     random_bytes: Callable[[int], bytes] = os.urandom
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ResponsePlan:
     """What the sidecar does with the response of a routed request."""
 
@@ -88,7 +89,7 @@ class ResponsePlan:
         return self.rewrite_model is not None or self.read_usage
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Route:
     backend: BackendInfo
     client_model: str
@@ -185,11 +186,8 @@ def decide(snap: Snapshot, req: Request) -> Route | ErrorReply:
     if exp_info is not None:
         exp = exp_info.config
         sticky = _sticky_value(exp, req, parsed)
-        a = assignment.assign(
-            exp.name, exp_info.variants, sticky,
-            ttl_seconds=exp.sticky_ttl, unix_time=req.now, random_bytes=req.random_bytes,
-        )
-        variant = exp.variants[a.variant_index]
+        index = exp_info.race.pick(exp_info.prefix, sticky, exp.sticky_ttl, req.now, req.random_bytes)
+        variant = exp.variants[index]
         upstream = variant.model
         if variant.backends is not None:
             pin = set(variant.backends)
@@ -200,7 +198,7 @@ def decide(snap: Snapshot, req: Request) -> Route | ErrorReply:
         if exp.response_headers:
             headers = (("x-continuum-experiment", exp.name), ("x-continuum-experiment-variant", variant.id))
         plan_fields = dict(
-            experiment=exp.name, variant=variant.id, assignment="sticky" if a.sticky else "random",
+            experiment=exp.name, variant=variant.id, assignment="random" if is_blank(sticky) else "sticky",
             rewrite_model=client_model if exp.response_model == "client" else None,
             read_usage=ingress.usage and ingress.counted, counted=ingress.counted, headers=headers,
         )

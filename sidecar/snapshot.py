@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Mapping
 from urllib.parse import urlsplit
 
+from .assignment import Race, salt_prefix
 from .config import ApiKey, Backend, Config, Experiment
 
 BACKEND_HEADER = "x-model-router-backend"
@@ -47,6 +48,8 @@ class ExperimentInfo:
     index: int
     config: Experiment
     variants: tuple[tuple[str, int], ...]  # (id, weight), declared order
+    race: Race  # the weighted race over those variants, built once
+    prefix: bytes  # the experiment's hash salt, encoded once
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,11 @@ class Snapshot:
     def response_phase(self) -> bool:
         """Whether any model-routed request may need its response seen."""
         return bool(self.experiments)
+
+
+def _experiment(index: int, e: Experiment) -> ExperimentInfo:
+    variants = tuple((v.id, v.weight) for v in e.variants)
+    return ExperimentInfo(index, e, variants, Race(variants), salt_prefix(e.name))
 
 
 def effective_url(backend: Backend, overrides: Mapping[str, str]) -> str:
@@ -105,7 +113,7 @@ def build(
     if config.api_keys is not None:
         keys = MappingProxyType({k.key: k for k in config.api_keys})
     experiments = {
-        e.model: ExperimentInfo(i, e, tuple((v.id, v.weight) for v in e.variants))
+        e.model: _experiment(i, e)
         for i, e in enumerate(config.model_experiments)
     }
     default = next((b.name for b in config.backends if b.enabled and not b.internal), None)

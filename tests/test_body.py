@@ -74,3 +74,11 @@ def test_rewrite_of_20_mib_body_is_one_pass():
     raw = orjson.dumps({"messages": [{"role": "user", "content": "x" * (20 * 1024 * 1024)}], "model": "chat"})
     out = set_top_level(raw, {"model": "m"})
     assert len(out) == len(raw) - 3 and out.endswith(b'"model":"m"}')
+
+
+def test_escaped_top_level_key_is_found_not_a_nested_lookalike():
+    raw = b'{"mod\\u0065l": "chat", "x": {"model": "chat"}}'
+    out = set_top_level(raw, {"model": "m"})
+    assert json.loads(out) == {"model": "m", "x": {"model": "chat"}}
+    raw = b'{"x": "model", "model": "chat"}'
+    assert json.loads(set_top_level(raw, {"model": "m"})) == {"x": "model", "model": "m"}
