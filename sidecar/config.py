@@ -117,6 +117,11 @@ class Backend(_Model):
     api_key: str | None = None
     weight: Annotated[int, Field(ge=1, le=MAX_WEIGHT)] = 1
     enabled: bool = True
+    # "" turns a default off; None keeps the default for the backend's type.
+    health_path: str | None = None
+    metrics_path: str | None = None
+    # A hosted commercial API: the router never injects tools into its requests.
+    commercial: bool = False
 
     @field_validator("name")
     @classmethod
@@ -150,6 +155,20 @@ class Backend(_Model):
             for m in v:
                 _check_model_name(m)
         return v
+
+    @property
+    def probe_path(self) -> str | None:
+        """Active health probe path; hosted APIs are judged passively only."""
+        if self.health_path is not None:
+            return self.health_path or None
+        return "/health" if self.type in ("vllm", "sglang") or self.is_demo else None
+
+    @property
+    def scrape_path(self) -> str | None:
+        """Prometheus engine metrics path (vLLM / SGLang)."""
+        if self.metrics_path is not None:
+            return self.metrics_path or None
+        return "/metrics" if self.type in ("vllm", "sglang") or self.is_demo else None
 
     @property
     def is_demo(self) -> bool:
@@ -250,6 +269,55 @@ class Experiment(_Model):
         return self.sticky_key[len("header:"):] if self.sticky_key.startswith("header:") else None
 
 
+class Price(_Model):
+    """USD per million tokens."""
+
+    input: Annotated[float, Field(ge=0)]
+    output: Annotated[float, Field(ge=0)]
+
+
+class ModelMetadata(_Model):
+    id: str
+    aliases: list[str] = []
+    pricing: Price | None = None
+    backend_pricing: dict[str, Price] = {}
+    reasoning_efforts: list[str] = []
+    thinking_pattern: str | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        return _check_model_name(v)
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str]) -> list[str]:
+        for a in v:
+            _check_model_name(a)
+        return v
+
+    @property
+    def supports_thinking(self) -> bool:
+        return bool(self.thinking_pattern) or bool(self.reasoning_efforts)
+
+    def price_on(self, backend: str) -> Price | None:
+        return self.backend_pricing.get(backend, self.pricing)
+
+
+class Monitor(_Model):
+    enabled: bool = True
+    probe_interval_s: Annotated[float, Field(ge=0.1, le=3600)] = 5.0
+    scrape_interval_s: Annotated[float, Field(ge=0.1, le=3600)] = 2.0
+    models_interval_s: Annotated[float, Field(ge=0.1, le=86400)] = 30.0
+    # A metrics snapshot older than this makes no statement (no :nitro ranking).
+    freshness_s: Annotated[float, Field(ge=0.1, le=3600)] = 10.0
+    timeout_s: Annotated[float, Field(ge=0.05, le=60)] = 2.0
+    # A backend that answered 5xx or reset is held out this long.
+    passive_holdout_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    # Engine-saturation gate: a backend with more waiting requests is not admitted.
+    max_waiting: Annotated[int, Field(ge=0)] | None = None
+
+
 class VariantSuffixes(_Model):
     enabled: bool = False
 
@@ -266,6 +334,8 @@ class Config(_Model):
     backends: Annotated[list[Backend], Field(min_length=1)]
     api_keys: list[ApiKey] | None = None
     model_aliases: dict[str, str] = {}
+    model_metadata: list[ModelMetadata] = []
+    monitor: Monitor = Monitor()
     model_experiments: Annotated[list[Experiment], Field(max_length=MAX_EXPERIMENTS)] = []
 
 
@@ -402,6 +472,18 @@ def check(config: Config) -> tuple[list[str], list[str]]:
             errors.append(f"model_aliases.{alias}: {exc}")
         if alias == target:
             errors.append(f"model_aliases.{alias}: an alias cannot point at itself")
+
+    meta_names: dict[str, str] = {}
+    for i, m in enumerate(config.model_metadata):
+        for j, name in enumerate([m.id, *m.aliases]):
+            where = f"model_metadata[{i}].id" if j == 0 else f"model_metadata[{i}].aliases[{j - 1}]"
+            if name in meta_names:
+                errors.append(f"{where}: '{name}' is already declared by {meta_names[name]}")
+            else:
+                meta_names[name] = where
+        for name in m.backend_pricing:
+            if name not in backends:
+                errors.append(f"model_metadata[{i}].backend_pricing.{name}: unknown backend '{name}'")
 
     exp_names: dict[str, int] = {}
     exp_models: dict[str, int] = {}

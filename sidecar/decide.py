@@ -18,7 +18,7 @@ from .body import (
     set_top_level,
 )
 from .config import ApiKey
-from .errors import ErrorReply
+from .errors import Reply
 from .ingress import Ingress
 from .snapshot import BackendInfo, Snapshot
 
@@ -43,7 +43,7 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def authenticate(snap: Snapshot, headers: Mapping[str, str], family: str) -> Caller | ErrorReply:
+def authenticate(snap: Snapshot, headers: Mapping[str, str], family: str) -> Caller | Reply:
     """The key gate; with no ``api_keys`` section every caller is admitted."""
     key = presented_key(headers)
     if snap.keys is None:
@@ -159,7 +159,7 @@ def _pick(snap: Snapshot, candidates: list[BackendInfo], req: Request) -> Backen
     return candidates[req.pick % len(candidates)]
 
 
-def decide(snap: Snapshot, req: Request) -> Route | ErrorReply:
+def decide(snap: Snapshot, req: Request) -> Route | Reply:
     ingress = req.ingress
     family = ingress.family
     try:
@@ -177,6 +177,12 @@ def decide(snap: Snapshot, req: Request) -> Route | ErrorReply:
     key = req.caller.key
     if key is not None and key.allowed_models is not None and client_model not in key.allowed_models:
         return errors.model_not_permitted(client_model, family)
+
+    # A reserved variant model named outside its experiment is answered exactly
+    # like a model the router does not have.
+    reserved_by = snap.reserved.get(client_model)
+    if reserved_by is not None:
+        return errors.model_not_found(client_model, family, reserved_by=reserved_by)
 
     # 3. The experiment picks a variant.
     allowed: set[str] | None = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
@@ -203,8 +209,8 @@ def decide(snap: Snapshot, req: Request) -> Route | ErrorReply:
             read_usage=ingress.usage and ingress.counted, counted=ingress.counted, headers=headers,
         )
 
-    # 4. Backend selection among the backends serving the upstream model.
-    serving = snap.served.get(upstream, ())
+    # 4. Metadata alias dispatch, then selection among the backends serving it.
+    upstream, serving = snap.resolve(upstream)
     candidates = [
         snap.backends[name] for name in serving
         if not snap.backends[name].internal and (allowed is None or name in allowed)
@@ -270,7 +276,7 @@ def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str
     return (), ()
 
 
-def passthrough(snap: Snapshot, path: str) -> Route | ErrorReply:
+def passthrough(snap: Snapshot, path: str) -> Route | Reply:
     """Paths that carry no model go to the default backend untouched."""
     if snap.default_backend is None:
         return errors.error("no_backend", "No backend is configured for this path.")

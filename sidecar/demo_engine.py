@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, WSMsgType, web
 
 __all__ = ["add_arguments", "build_app", "main", "run", "start"]
 
@@ -342,7 +342,7 @@ class _Engine:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if not request.path.startswith("/v1/"):
+        if not (request.path.startswith("/v1/") or request.path == "/embed_sparse"):
             return await handler(request)
         try:
             record = await self.capture(request)
@@ -768,6 +768,52 @@ class _Engine:
         n = form.get("n")
         return self.image_response(model, form.get("prompt", ""), int(n) if n and n.isdigit() else 1)
 
+    async def rerank(self, request: web.Request) -> web.Response:
+        """Scores documents by shared words with the query (deterministic)."""
+        body = self.body(request)
+        model = self.model(request, body.get("model"))
+        query = body.get("query")
+        docs = body.get("documents")
+        if not isinstance(query, str) or not isinstance(docs, list):
+            raise _Reject(self.openai_error(400, "query (string) and documents (list) are required"))
+        words = set(query.lower().split())
+        results = []
+        for i, d in enumerate(docs):
+            text = d if isinstance(d, str) else str(d)
+            overlap = len(words & set(text.lower().split()))
+            results.append({"index": i, "relevance_score": overlap / (len(words) or 1)})
+        results.sort(key=lambda r: -r["relevance_score"])
+        return _json_response({"id": "rerank-demo", "model": model, "results": results,
+                               "usage": {"total_tokens": _words(query) + sum(_words(str(d)) for d in docs)}})
+
+    async def embed_sparse(self, request: web.Request) -> web.Response:
+        """Sparse embeddings: one (token hash, weight) list per input."""
+        body = self.body(request)
+        model = self.model(request, body.get("model"))
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list):
+            raise _Reject(self.openai_error(400, "input must be a string or a list of strings", param="input"))
+        data = []
+        for i, text in enumerate(inputs):
+            tokens = sorted({int.from_bytes(hashlib.sha256(w.encode()).digest()[:2], "big") for w in str(text).split()})
+            data.append({"index": i, "indices": tokens, "values": [1.0] * len(tokens)})
+        return _json_response({"object": "list", "model": model, "data": data})
+
+    async def realtime(self, request: web.Request) -> web.StreamResponse:
+        """A WebSocket that announces the model it serves, then echoes text frames."""
+        model = self.model(request, request.query.get("model"))
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str(orjson.dumps({"type": "session.created", "session": {"model": model, "engine": self.name}}).decode())
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                await ws.send_str(msg.data)
+            elif msg.type in (WSMsgType.CLOSE, WSMsgType.ERROR):
+                break
+        return ws
+
     # --------------------------------------------------------------- Anthropic
 
     @staticmethod
@@ -866,6 +912,9 @@ def build_app(*, name: str, models: list[str], prices: dict | None = None) -> we
     app.router.add_post("/v1/responses", engine.responses)
     app.router.add_post("/v1/images/generations", engine.image_generations)
     app.router.add_post("/v1/images/edits", engine.image_edits)
+    app.router.add_get("/v1/realtime", engine.realtime)
+    app.router.add_post("/v1/rerank", engine.rerank)
+    app.router.add_post("/embed_sparse", engine.embed_sparse)
     app.router.add_post("/v1/messages", engine.messages)
     app.router.add_post("/v1/messages/count_tokens", engine.count_tokens)
     app.router.add_get("/_demo/requests", engine.get_requests)

@@ -6,7 +6,7 @@ kind (for example an unknown model and a reserved one) are byte-identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 
@@ -26,32 +26,37 @@ _KINDS: dict[str, tuple[int, str, str | None, str]] = {
 
 
 @dataclass(frozen=True)
-class ErrorReply:
+class Reply:
+    """An answer the sidecar gives itself (an Envoy immediate response)."""
+
     status: int
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+    # Not sent: the experiment whose reserved model this refusal protects.
+    reserved_by: str | None = None
 
     content_type = "application/json"
 
 
-def error(kind: str, message: str, family: str = "openai", param: str | None = None) -> ErrorReply:
+def error(kind: str, message: str, family: str = "openai", param: str | None = None) -> Reply:
     status, otype, code, atype = _KINDS[kind]
     if family == "anthropic":
         body = {"type": "error", "error": {"type": atype, "message": message}}
     else:
         body = {"error": {"message": message, "type": otype, "param": param, "code": code}}
-    return ErrorReply(status, orjson.dumps(body))
+    return Reply(status, orjson.dumps(body))
 
 
-def model_not_found(model: str, family: str) -> ErrorReply:
-    """The answer for a model the router does not serve (and for a reserved one)."""
-    return error(
+def model_not_found(model: str, family: str, reserved_by: str | None = None) -> Reply:
+    """The answer for a model the router does not serve (and, byte for byte, for a reserved one)."""
+    reply = error(
         "model_not_found",
         f"The model '{model}' does not exist or you do not have access to it.",
         family,
         param="model",
     )
+    return replace(reply, reserved_by=reserved_by) if reserved_by else reply
 
 
-def model_not_permitted(model: str, family: str) -> ErrorReply:
+def model_not_permitted(model: str, family: str) -> Reply:
     return error("model_not_permitted", f"This API key is not permitted to use the model '{model}'.", family, "model")

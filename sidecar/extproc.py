@@ -26,8 +26,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
 
-from . import decide, errors, metrics
-from .errors import ErrorReply
+from . import decide, errors, listing, metrics
+from .errors import Reply
 from .ingress import lookup
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, rewrite_json_body
 from .snapshot import BACKEND_HEADER
@@ -84,7 +84,7 @@ def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterabl
     return m
 
 
-def immediate(reply: ErrorReply) -> pb.ProcessingResponse:
+def immediate(reply: Reply) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=reply.status),
@@ -163,12 +163,15 @@ class Processor(pbg.ExternalProcessorServicer):
         st.ingress = ingress = lookup(st.path)
         family = ingress.family if ingress else ("anthropic" if st.path.startswith("/anthropic/") else "openai")
         caller = decide.authenticate(snap, h, family)
-        if isinstance(caller, ErrorReply):
+        if isinstance(caller, Reply):
             return self._refuse(caller)
         st.caller = caller
+        if ingress is None and listing.is_listing(st.path):
+            metrics.DECISIONS.labels("listing").inc()
+            return immediate(listing.answer(snap, st.path, h.get(":method", "GET"), caller.key))
         if ingress is None:
             route = decide.passthrough(snap, st.path)
-            if isinstance(route, ErrorReply):
+            if isinstance(route, Reply):
                 return self._refuse(route)
             metrics.DECISIONS.labels("passthrough").inc()
             return pb.ProcessingResponse(
@@ -212,7 +215,7 @@ class Processor(pbg.ExternalProcessorServicer):
         except Exception:
             log.exception("decision failed for %s", st.path.partition("?")[0])
             route = errors.error("internal", "The router could not process this request.", st.ingress.family)
-        if isinstance(route, ErrorReply):
+        if isinstance(route, Reply):
             return self._refuse(route)
         metrics.DECISIONS.labels("routed").inc()
         st.route = route
@@ -239,8 +242,10 @@ class Processor(pbg.ExternalProcessorServicer):
             sets.append(("accept-encoding", "identity"))
         return pb.CommonResponse(header_mutation=header_mutation(sets, route.remove_headers), clear_route_cache=True)
 
-    def _refuse(self, reply: ErrorReply) -> pb.ProcessingResponse:
+    def _refuse(self, reply: Reply) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
+        if reply.reserved_by is not None:
+            metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
         return immediate(reply)
 
     # ----------------------------------------------------------------- response

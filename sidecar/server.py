@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 
 from . import config as config_mod
-from . import metrics, snapshot
+from . import listing, metrics, snapshot
 from .extproc import Processor
 
 log = logging.getLogger("model_router.server")
@@ -99,7 +99,13 @@ def _admin_app(runtime: Runtime) -> web.Application:
         ok = runtime.reload()
         return web.json_response({"reloaded": ok}, status=200 if ok else 422)
 
+    async def models_view(request):
+        if not authorized(request):
+            return web.json_response({"error": "admin token required"}, status=401)
+        return web.json_response(listing.admin_view(runtime.snapshot))
+
     app = web.Application()
+    app.router.add_get("/admin/models", models_view)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_view)

@@ -12,7 +12,7 @@ from typing import Mapping
 from urllib.parse import urlsplit
 
 from .assignment import Race, salt_prefix
-from .config import ApiKey, Backend, Config, Experiment
+from .config import ApiKey, Backend, Config, Experiment, ModelMetadata
 
 BACKEND_HEADER = "x-model-router-backend"
 
@@ -52,7 +52,7 @@ class ExperimentInfo:
     prefix: bytes  # the experiment's hash salt, encoded once
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Snapshot:
     config: Config
     backends: Mapping[str, BackendInfo]
@@ -62,6 +62,30 @@ class Snapshot:
     served: Mapping[str, tuple[str, ...]]  # model -> backends serving it, config order
     default_backend: str | None
     discovered: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    metadata: Mapping[str, ModelMetadata] = field(default_factory=dict)  # canonical id -> entry
+    meta_alias: Mapping[str, str] = field(default_factory=dict)  # metadata alias -> canonical id
+    # Variant models of experiments that hide them, with every metadata alias
+    # of those names and canonical id of those aliases -> experiment name.
+    reserved: Mapping[str, str] = field(default_factory=dict)
+
+    def resolve(self, name: str) -> tuple[str, tuple[str, ...]]:
+        """The catalog's one answer: (the id to dispatch, the backends serving it).
+
+        A name a backend serves literally wins; otherwise a metadata alias
+        dispatches as its canonical id. Unserved: (name, ()).
+        """
+        backends = self.served.get(name)
+        if backends:
+            return name, backends
+        canonical = self.meta_alias.get(name)
+        if canonical is not None:
+            backends = self.served.get(canonical)
+            if backends:
+                return canonical, backends
+        return name, ()
+
+    def meta(self, name: str) -> ModelMetadata | None:
+        return self.metadata.get(self.meta_alias.get(name, name))
 
     @property
     def max_body_bytes(self) -> int:
@@ -76,13 +100,6 @@ class Snapshot:
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:
     variants = tuple((v.id, v.weight) for v in e.variants)
     return ExperimentInfo(index, e, variants, Race(variants), salt_prefix(e.name))
-
-
-def effective_url(backend: Backend, overrides: Mapping[str, str]) -> str:
-    url = overrides.get(backend.name, backend.url)
-    if url == "demo://":
-        raise ValueError(f"backend '{backend.name}' uses demo:// and has no running demo engine address")
-    return url
 
 
 def build(
@@ -117,6 +134,19 @@ def build(
         for i, e in enumerate(config.model_experiments)
     }
     default = next((b.name for b in config.backends if b.enabled and not b.internal), None)
+    metadata = {m.id: m for m in config.model_metadata}
+    meta_alias = {a: m.id for m in config.model_metadata for a in m.aliases}
+    reserved: dict[str, str] = {}
+    for e in config.model_experiments:
+        if not e.hide_variant_models:
+            continue
+        for v in e.variants:
+            canonical = meta_alias.get(v.model, v.model)
+            names = {v.model, canonical}
+            if canonical in metadata:
+                names.update(metadata[canonical].aliases)
+            for n in names:
+                reserved.setdefault(n, e.name)
     return Snapshot(
         config=config,
         backends=MappingProxyType(backends),
@@ -126,4 +156,7 @@ def build(
         served=MappingProxyType({m: tuple(v) for m, v in served.items()}),
         default_backend=default,
         discovered=MappingProxyType({k: tuple(v) for k, v in discovered.items()}),
+        metadata=MappingProxyType(metadata),
+        meta_alias=MappingProxyType(meta_alias),
+        reserved=MappingProxyType(reserved),
     )

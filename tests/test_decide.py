@@ -8,7 +8,7 @@ import pytest
 from sidecar import snapshot
 from sidecar.config import parse
 from sidecar.decide import Caller, Request, authenticate, decide, passthrough
-from sidecar.errors import ErrorReply
+from sidecar.errors import Reply
 from sidecar.ingress import INGRESSES, lookup
 
 CONFIG = """
@@ -52,7 +52,7 @@ def req(path, body, key="k-all", snap=None, headers=None, **kw):
 
 
 def refusal(result) -> tuple[int, dict]:
-    assert isinstance(result, ErrorReply), result
+    assert isinstance(result, Reply), result
     return result.status, orjson.loads(result.body)
 
 

@@ -157,8 +157,9 @@ def test_client_routing_header_never_steers(stack):
     assert r.json()["choices"][0]["message"]["content"].startswith("[alpha]")
     assert demo_requests(stack, "beta") == []
     # Nor on a path the sidecar passes through, nor toward a cluster that does not exist.
-    r = httpx.get(stack.url + "/v1/models", headers={"x-model-router-backend": "beta"})
-    assert [m["owned_by"] for m in r.json()["data"]] == ["alpha", "alpha"]
+    httpx.get(stack.url + "/v1/files", headers={"x-model-router-backend": "beta"})
+    assert demo_requests(stack, "beta") == []
+    assert demo_requests(stack, "alpha")[-1]["path"] == "/v1/files"
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "m-beta", "messages": []},
                    headers={"x-model-router-backend": "model-router-sidecar"})
     assert r.status_code == 200 and r.json()["model"] == "m-beta"
@@ -168,10 +169,11 @@ def test_client_routing_header_never_steers(stack):
 
 def test_other_paths_pass_through_untouched(stack):
     clear_demo_requests(stack)
-    r = httpx.get(stack.url + "/v1/models?x=1")
-    assert r.status_code == 200
+    r = httpx.get(stack.url + "/v1/files?x=1", headers={"authorization": "Bearer caller-1"})
+    assert r.status_code == 404  # the demo engine's own answer: it has no files API
     got = demo_requests(stack, "alpha")[-1]
-    assert got["path"] == "/v1/models" and got["query"] == {"x": "1"}
+    assert got["path"] == "/v1/files" and got["query"] == {"x": "1"}
+    assert got["headers"]["authorization"] == "Bearer caller-1"  # no api_keys section: credentials pass
 
 
 def test_envoy_saw_no_ext_proc_errors(stack):
@@ -205,8 +207,9 @@ def test_missing_or_unknown_key_is_401_in_family_shape(keyed):
     assert r.status_code == 401
     assert r.json() == {"type": "error", "error": {"type": "authentication_error",
                                                    "message": "An API key is required (Authorization: Bearer or x-api-key)."}}
-    # Passthrough paths are gated too.
+    # Listings and passthrough paths are gated too.
     assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    assert httpx.get(keyed.url + "/v1/files").status_code == 401
 
 
 def test_router_key_never_travels_upstream(keyed):
@@ -266,7 +269,7 @@ def test_sidecar_down_fails_closed_with_json_503(stack):
         assert r.status_code == 503
         assert r.headers["content-type"] == "application/json"
         assert r.json()["error"]["type"] == "server_error"
-        r = httpx.get(stack.url + "/v1/models")
+        r = httpx.get(stack.url + "/v1/files")
         assert r.status_code == 503
         assert demo_requests(stack, "alpha") == [] and demo_requests(stack, "beta") == []
     finally:
