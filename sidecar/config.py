@@ -84,7 +84,7 @@ class Server(_Model):
     max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 32 * 1024 * 1024
     admin_token: str | None = None
     # Envoy's wait for one sidecar answer; past it the request fails closed.
-    message_timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 2000
+    message_timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 5000
     reload_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
 
     @field_validator("grpc_listen", "admin_listen")
@@ -320,6 +320,8 @@ class Monitor(_Model):
 
 class VariantSuffixes(_Model):
     enabled: bool = False
+    # :floor prices a request without max_tokens as if it asked for this many.
+    default_output_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 512
 
 
 class Proxy(_Model):

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from . import errors
+from . import errors, variants
 from .assignment import is_blank
 from .body import (
     BodyError, check_model_name, multipart_model, parse_json, query_model, replace_field, replace_query_model,
@@ -67,6 +67,8 @@ class Request:
     pick: int = 0  # round-robin counter
     rand: float = 0.0  # uniform in [0, 1)
     random_bytes: Callable[[int], bytes] = os.urandom
+    states: Mapping[str, object] = field(default_factory=dict)  # backend -> monitor state
+    mono: float = 0.0  # monotonic clock, the monitor's time base
 
 
 @dataclass(slots=True)
@@ -83,6 +85,8 @@ class ResponsePlan:
     assignment: str | None = None  # "sticky" | "random"
     counted: bool = True
     headers: tuple[tuple[str, str], ...] = ()
+    suffix: str | None = None  # nitro | floor | thinking | online
+    suffix_applied: bool = True
 
     @property
     def needs_body(self) -> bool:
@@ -167,27 +171,31 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     except BodyError as exc:
         return errors.error(exc.kind, str(exc), family, param="model" if "model" in str(exc) else None)
 
-    # 1. model_aliases, on the ingresses that honour them.
+    # 1. model_aliases, on the ingresses that honour them; then a variant
+    #    suffix, on the ingresses that read them (the exact name wins).
     requested = parsed.model
     if ingress.aliases:
         requested = snap.aliases.get(requested, requested)
-    client_model = requested
+    client_model, word = requested, None
+    if ingress.suffixes and snap.config.proxy.variant_suffixes.enabled:
+        client_model, word = variants.split(snap, requested)
 
-    # 2. The per-key model gate judges the client-facing name.
+    # 2. The per-key model gate judges the client-facing (base) name.
     key = req.caller.key
     if key is not None and key.allowed_models is not None and client_model not in key.allowed_models:
-        return errors.model_not_permitted(client_model, family)
+        return errors.model_not_permitted(requested, family)
 
     # A reserved variant model named outside its experiment is answered exactly
     # like a model the router does not have.
     reserved_by = snap.reserved.get(client_model)
     if reserved_by is not None:
-        return errors.model_not_found(client_model, family, reserved_by=reserved_by)
+        return errors.model_not_found(parsed.model, family, reserved_by=reserved_by)
 
     # 3. The experiment picks a variant.
     allowed: set[str] | None = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
     upstream = client_model
-    plan_fields: dict = {}
+    plan: dict = {}
+    headers: list[tuple[str, str]] = []
     exp_info = snap.experiments.get(client_model) if ingress.experiments else None
     if exp_info is not None:
         exp = exp_info.config
@@ -199,17 +207,16 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
             pin = set(variant.backends)
             allowed = pin if allowed is None else allowed & pin
             if not allowed:
-                return errors.model_not_permitted(client_model, family)
-        headers: tuple[tuple[str, str], ...] = ()
+                return errors.model_not_permitted(requested, family)
         if exp.response_headers:
-            headers = (("x-continuum-experiment", exp.name), ("x-continuum-experiment-variant", variant.id))
-        plan_fields = dict(
+            headers += [("x-continuum-experiment", exp.name), ("x-continuum-experiment-variant", variant.id)]
+        plan.update(
             experiment=exp.name, variant=variant.id, assignment="random" if is_blank(sticky) else "sticky",
             rewrite_model=client_model if exp.response_model == "client" else None,
-            read_usage=ingress.usage and ingress.counted, counted=ingress.counted, headers=headers,
+            read_usage=ingress.usage and ingress.counted, counted=ingress.counted,
         )
 
-    # 4. Metadata alias dispatch, then selection among the backends serving it.
+    # 4. Metadata alias dispatch, then the backends that may serve it.
     upstream, serving = snap.resolve(upstream)
     candidates = [
         snap.backends[name] for name in serving
@@ -217,22 +224,62 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     ]
     if not candidates:
         if serving and any(not snap.backends[n].internal for n in serving):
-            return errors.model_not_permitted(client_model, family)
-        return errors.model_not_found(client_model, family)
-    backend = _pick(snap, candidates, req)
+            return errors.model_not_permitted(requested, family)
+        return errors.model_not_found(requested, family)
 
-    # 5. Request rewrites.
+    # 5. Variant checks that can refuse, before anything is chosen.
+    edits: dict = {}
+    data = parsed.json or {}
+    if word == "thinking":
+        meta = snap.meta(upstream)
+        if meta is None or not meta.supports_thinking:
+            return _unsupported(requested, word, family)
+        if "reasoning_effort" not in data:
+            edits["reasoning_effort"] = "high"
+    elif word == "online":
+        return _unsupported(requested, word, family)
+
+    # 6. Health and saturation first; a preference only narrows what is left.
+    mon = snap.config.monitor
+    admitted = [
+        b for b in candidates
+        if variants.admissible(req.states.get(b.name), req.mono, mon.freshness_s, mon.max_waiting)
+    ]
+    if not admitted:
+        # Every candidate is held out after a failure: rather than refuse all
+        # traffic, use those that are otherwise healthy and unsaturated.
+        admitted = [
+            b for b in candidates
+            if variants.admissible(req.states.get(b.name), req.mono, mon.freshness_s, mon.max_waiting, holdout=False)
+        ]
+    candidates = admitted
+    if not candidates:
+        return errors.error("no_backend", f"No healthy backend can serve the model '{requested}' right now.", family)
+    applied = True
+    preferred = req.headers.get("x-backend")
+    chosen = next((b for b in candidates if b.name == preferred), None) if preferred else None
+    if chosen is not None:
+        applied = word not in variants.RANKED
+    else:
+        if word in variants.RANKED:
+            candidates, applied = variants.narrow(word, snap, upstream, candidates, req.states, req.mono, data)
+        chosen = _pick(snap, candidates, req)
+    if word is not None:
+        headers.append(("x-continuum-model-variant", word))
+        if not applied:
+            headers.append(("x-continuum-model-variant-applied", "false"))
+        plan.update(suffix=word, suffix_applied=applied, rewrite_model=requested)
+
+    # 7. Request rewrites.
     new_body: bytes | None = None
     new_path: str | None = None
     streaming = False
     if parsed.json is not None:
-        data = parsed.json
         streaming = data.get("stream") is True
-        edits: dict = {}
         if data["model"] != upstream:
             edits["model"] = upstream
         if (
-            plan_fields.get("read_usage") and streaming and family == "openai"
+            plan.get("read_usage") and streaming and family == "openai"
             and ingress.path in ("/v1/chat/completions", "/v1/completions")
         ):
             opts = data.get("stream_options")
@@ -240,7 +287,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
                 opts = dict(opts) if isinstance(opts, dict) else {}
                 opts["include_usage"] = True
                 edits["stream_options"] = opts
-                plan_fields["strip_injected_usage"] = True
+                plan["strip_injected_usage"] = True
         if edits:
             new_body = set_top_level(req.body, edits)
     elif parsed.form_field is not None:
@@ -249,19 +296,25 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     elif parsed.model != upstream:
         new_path = replace_query_model(req.path, upstream)
 
-    upstream_path = backend.base_path + ingress.upstream_path
+    upstream_path = chosen.base_path + ingress.upstream_path
     query = req.path.partition("?")[2] if new_path is None else new_path.partition("?")[2]
     target = upstream_path + ("?" + query if query else "")
     if target != req.path:
         new_path = target
 
-    set_headers, remove_headers = upstream_auth(snap, backend)
-    plan = None
-    if plan_fields:
-        plan = ResponsePlan(family=family, streaming=streaming, **plan_fields)
+    set_headers, remove_headers = upstream_auth(snap, chosen)
     return Route(
-        backend=backend, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
-        set_headers=set_headers, remove_headers=remove_headers, plan=plan,
+        backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
+        set_headers=set_headers, remove_headers=remove_headers,
+        plan=ResponsePlan(family=family, streaming=streaming, headers=tuple(headers), **plan) if plan or headers else None,
+    )
+
+
+def _unsupported(requested: str, word: str, family: str) -> Reply:
+    return errors.error(
+        "unsupported_model_variant",
+        f"The model '{requested}' is not available: the ':{word}' variant is not supported for this model.",
+        family, param="model",
     )
 
 

@@ -209,6 +209,7 @@ class Processor(pbg.ExternalProcessorServicer):
         req = decide.Request(
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
             now=time.time(), pick=self._counter, rand=self._rand.random(),
+            states=self.runtime.backend_states(), mono=time.monotonic(),
         )
         try:
             route = decide.decide(snap, req)
@@ -219,6 +220,8 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(route)
         metrics.DECISIONS.labels("routed").inc()
         st.route = route
+        if route.plan is not None and route.plan.suffix is not None:
+            metrics.VARIANT_REQUESTS.labels(route.plan.suffix, "true" if route.plan.suffix_applied else "false").inc()
         common = self._route_common(route)
         if route.body is not None:
             common.body_mutation.body = route.body
@@ -256,6 +259,8 @@ class Processor(pbg.ExternalProcessorServicer):
             st.status = int(h.get(":status", "0"))
         except ValueError:
             st.status = 0
+        if st.route is not None and (st.status >= 500 or st.status == 0):
+            self.runtime.report_response(st.route.backend.name, st.status or None)
         plan = st.route.plan if st.route is not None else None
         if plan is None:
             return pb.ProcessingResponse(response_headers=pb.HeadersResponse())

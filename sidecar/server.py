@@ -36,8 +36,21 @@ class Runtime:
         self.snapshot = snapshot.build(loaded.config, self.url_overrides)
         self._stamp = self._file_stamp()
         self.ready = False
+        self.monitor = None
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
+
+    def set_discovered(self, discovered: dict[str, tuple[str, ...]]) -> None:
+        """The monitor found new model lists: rebuild the snapshot around them."""
+        self.snapshot = snapshot.build(self.snapshot.config, self.url_overrides, discovered)
+        log.info("model lists discovered: %s", {k: len(v) for k, v in discovered.items()})
+
+    def backend_states(self):
+        return self.monitor.states if self.monitor is not None else {}
+
+    def report_response(self, backend: str, status: int | None) -> None:
+        if self.monitor is not None:
+            self.monitor.report_response(backend, status)
 
     def _file_stamp(self):
         try:
@@ -104,8 +117,25 @@ def _admin_app(runtime: Runtime) -> web.Application:
             return web.json_response({"error": "admin token required"}, status=401)
         return web.json_response(listing.admin_view(runtime.snapshot))
 
+    async def backends_view(request):
+        if not authorized(request):
+            return web.json_response({"error": "admin token required"}, status=401)
+        now = time.monotonic()
+        out = {}
+        for name, st in runtime.backend_states().items():
+            tps, waiting, running = runtime.monitor.load(st, now)
+            out[name] = {
+                "healthy": st.healthy, "held_out_s": max(0.0, st.held_out_until - now),
+                "admissible": runtime.monitor.admissible(st, now),
+                "throughput_tps": tps, "waiting": waiting, "running": running,
+                "scrape_age_s": None if st.scraped_at is None else now - st.scraped_at,
+                "models": list(st.models) if st.models is not None else None, "models_ok": st.models_ok,
+            }
+        return web.json_response({"backends": out})
+
     app = web.Application()
     app.router.add_get("/admin/models", models_view)
+    app.router.add_get("/admin/backends", backends_view)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_view)
@@ -155,6 +185,10 @@ async def serve_async(
     host, aport = _split_listen(admin_listen)
     site = web.TCPSite(runner, host, aport)
     await site.start()
+    from .monitor import Monitor
+
+    runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
+    await runtime.monitor.start()
     runtime.ready = True
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
     print(f"model-router sidecar ready: gRPC {grpc_listen}, admin http://{admin_listen}", flush=True)
@@ -173,6 +207,7 @@ async def serve_async(
     await stop.wait()
     runtime.ready = False
     watcher.cancel()
+    await runtime.monitor.stop()
     await server.stop(grace=5)
     await runner.cleanup()
 

@@ -93,8 +93,12 @@ class Snapshot:
 
     @property
     def response_phase(self) -> bool:
-        """Whether any model-routed request may need its response seen."""
-        return bool(self.experiments)
+        """Whether model-routed responses must be seen: experiment metrics and
+        rewrites, variant headers, or passive health (5xx holds a backend out)."""
+        c = self.config
+        return bool(self.experiments) or c.proxy.variant_suffixes.enabled or (
+            c.monitor.enabled and c.monitor.passive_holdout_s > 0
+        )
 
 
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:

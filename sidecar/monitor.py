@@ -1,0 +1,706 @@
+"""Backend monitor: health, engine load and served models, kept fresh in the background.
+
+The monitor runs asyncio tasks inside the sidecar process. For every enabled
+backend it independently
+
+* probes ``<origin><base_path><probe_path>`` (2xx: healthy; anything else,
+  an error or a timeout: unhealthy), when the backend has a probe path;
+* scrapes ``<origin><base_path><scrape_path>`` (Prometheus text) for vLLM or
+  SGLang load figures, when the backend has a scrape path;
+* lists ``<origin><base_path>/v1/models`` with the backend's credentials.
+
+``origin`` is the scheme and authority of the backend's effective URL; the
+URL's path is already in ``base_path``.
+
+Results are published as an immutable mapping of :class:`BackendState`; a
+new mapping object replaces the old one whenever anything changes, so the
+routing decision takes one reference per request and never sees a partial
+update. Passive health (:meth:`Monitor.report_response`) holds a backend
+out for ``monitor.passive_holdout_s`` after a 5xx or a reset; the hold-out
+ends by the clock, with no task involved.
+
+The monitor's settings (``config.monitor``) and the backend list are read
+from the current snapshot on every loop iteration, so a config reload takes
+effect without a restart. With ``monitor.enabled: false`` nothing polls and
+every backend is reported healthy with unknown load and no discovered models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import Monitor as MonitorConfig
+from .snapshot import BackendInfo, Snapshot
+
+__all__ = [
+    "ANTHROPIC_VERSION",
+    "BackendState",
+    "EngineMetrics",
+    "Monitor",
+    "compute_throughput",
+    "parse_engine_metrics",
+    "parse_models",
+]
+
+log = logging.getLogger("model_router.monitor")
+
+ANTHROPIC_VERSION = "2023-06-01"
+MODELS_PATH = "/v1/models"
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Largest probe, metrics or model-list body read; a larger one is a failed poll."""
+MAX_RECONCILE_S = 0.5
+"""Longest wait before a config change (backends added/removed, monitor toggled) is seen."""
+MAX_SLEEP_CHUNK_S = 1.0
+"""Longest single sleep of a poll loop, so a shortened interval is seen promptly."""
+
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens_total"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+SGLANG_THROUGHPUT = "sglang:gen_throughput"
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_RUNNING = "sglang:num_running_reqs"
+_WANTED = frozenset(
+    {VLLM_GENERATION_TOKENS, VLLM_WAITING, VLLM_RUNNING, SGLANG_THROUGHPUT, SGLANG_WAITING, SGLANG_RUNNING}
+)
+# Family names a HELP/TYPE line may use for the wanted samples (a counter's
+# family may be declared without its ``_total`` suffix).
+_WANTED_FAMILIES = _WANTED | {VLLM_GENERATION_TOKENS[: -len("_total")]}
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class BackendState:
+    """What the monitor knows about one backend, as of one publication.
+
+    ``healthy`` is the result of the last active probe (True when the backend
+    has no probe path or has not been probed yet). A passive hold-out is
+    reported separately in ``held_out_until`` because it ends by the clock;
+    :meth:`admissible` combines both.
+    """
+
+    name: str
+    healthy: bool = True
+    held_out_until: float = 0.0
+    models: tuple[str, ...] | None = None
+    models_ok: bool = False
+    throughput_tps: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+    scraped_at: float | None = None
+
+    def held_out(self, now: float) -> bool:
+        """Whether a passive failure still holds the backend out at ``now``."""
+        return now < self.held_out_until
+
+    def fresh(self, now: float, freshness_s: float) -> bool:
+        """Whether the latest successful scrape is at most ``freshness_s`` old at ``now``."""
+        return self.scraped_at is not None and now - self.scraped_at <= freshness_s
+
+    def admissible(self, now: float, max_waiting: int | None, freshness_s: float | None = None) -> bool:
+        """Healthy, not held out at ``now``, and not saturated.
+
+        Saturated means more than ``max_waiting`` queued requests; an unknown
+        queue (``waiting`` is None, or, when ``freshness_s`` is given, the scrape
+        is older than that) never blocks.
+        """
+        if not self.healthy or now < self.held_out_until:
+            return False
+        if max_waiting is None or self.waiting is None:
+            return True
+        if freshness_s is not None and not self.fresh(now, freshness_s):
+            return True
+        return self.waiting <= max_waiting
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Load figures read from one metrics page; None where the page lacks the metric.
+
+    Values of several label sets (models, data-parallel ranks) are summed.
+    """
+
+    generation_tokens_total: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+    gen_throughput: float | None = None
+
+
+def _sample_name(line: str) -> str:
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        i = line.find(stop)
+        if 0 <= i < end:
+            end = i
+    return line[:end]
+
+
+def _relevant_lines(text: str) -> list[str]:
+    """The sample lines of the wanted metrics, plus their HELP/TYPE lines."""
+    out = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED_FAMILIES:
+                out.append(line)
+            continue
+        if _sample_name(line) in _WANTED:
+            out.append(line)
+    return out
+
+
+def _parse(text: str) -> list[tuple[str, float]]:
+    return [(s.name, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _samples(lines: list[str]) -> list[tuple[str, float]]:
+    """(sample name, value) pairs parsed by prometheus_client, skipping lines it rejects."""
+    try:
+        return _parse("\n".join(lines) + "\n")
+    except ValueError:
+        pass
+    # One malformed line spoils a whole-page parse; parse line by line instead.
+    out: list[tuple[str, float]] = []
+    for line in lines:
+        if line.startswith("#"):
+            continue
+        try:
+            out.extend(_parse(line + "\n"))
+        except ValueError:
+            continue
+    return out
+
+
+def parse_engine_metrics(text: str) -> EngineMetrics:
+    """Read vLLM / SGLang load figures from Prometheus text.
+
+    vLLM: ``vllm:generation_tokens_total`` (counter), ``vllm:num_requests_waiting``
+    and ``vllm:num_requests_running`` (gauges). SGLang: ``sglang:gen_throughput``
+    (tokens/s), ``sglang:num_queue_reqs`` (waiting) and ``sglang:num_running_reqs``
+    (running). Each is summed over its label sets; non-finite values and
+    malformed lines are ignored. When a page carries both namings, the vLLM
+    queue figures win.
+    """
+    sums: dict[str, float] = {}
+    lines = _relevant_lines(text)
+    if lines:
+        for name, value in _samples(lines):
+            if name in _WANTED and isinstance(value, (int, float)) and math.isfinite(value):
+                sums[name] = sums.get(name, 0.0) + float(value)
+
+    def first(*names: str) -> float | None:
+        for n in names:
+            if n in sums:
+                return sums[n]
+        return None
+
+    return EngineMetrics(
+        generation_tokens_total=sums.get(VLLM_GENERATION_TOKENS),
+        waiting=first(VLLM_WAITING, SGLANG_WAITING),
+        running=first(VLLM_RUNNING, SGLANG_RUNNING),
+        gen_throughput=sums.get(SGLANG_THROUGHPUT),
+    )
+
+
+def compute_throughput(
+    previous: tuple[float, float] | None, current: tuple[float, float], freshness_s: float
+) -> float | None:
+    """Tokens/s between two successful scrapes, each given as ``(time, counter)``.
+
+    None when there is no previous scrape, the two are more than
+    ``freshness_s`` apart (or not in time order), or the counter went
+    backwards (an engine restart: the next pair makes the statement).
+    """
+    if previous is None:
+        return None
+    (t0, c0), (t1, c1) = previous, current
+    dt = t1 - t0
+    if dt <= 0 or dt > freshness_s or c1 < c0:
+        return None
+    return (c1 - c0) / dt
+
+
+def _check_model_id(value: object) -> str | None:
+    if not isinstance(value, str) or not value or len(value) > 256:
+        return None
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return None
+    return value
+
+
+def parse_models(body: bytes | str) -> tuple[str, ...]:
+    """Model ids of an OpenAI/Anthropic ``{"data": [{"id": ...}, ...]}`` list, in order, deduplicated.
+
+    Entries without a usable id (not a string, empty, over 256 characters or
+    with control characters) are skipped; a body of another shape raises
+    ``ValueError``.
+    """
+    doc = orjson.loads(body)
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("model list has no 'data' array")
+    out: dict[str, None] = {}
+    for item in data:
+        model = _check_model_id(item.get("id")) if isinstance(item, dict) else None
+        if model is not None:
+            out.setdefault(model, None)
+    return tuple(out)
+
+
+def auth_headers(info: BackendInfo) -> dict[str, str]:
+    """The credentials a request to this backend carries (none without an api_key)."""
+    if not info.api_key:
+        return {}
+    if info.family == "anthropic":
+        return {"x-api-key": info.api_key, "anthropic-version": ANTHROPIC_VERSION}
+    return {"authorization": f"Bearer {info.api_key}"}
+
+
+def poll_url(info: BackendInfo, path: str) -> str:
+    """``<scheme>://<authority><base_path><path>`` for a backend."""
+    parts = urlsplit(info.url)
+    return f"{parts.scheme}://{parts.netloc}{info.base_path}{path}"
+
+
+def _pollable(info: BackendInfo) -> bool:
+    return info.config.enabled and urlsplit(info.url).scheme in ("http", "https")
+
+
+# --------------------------------------------------------------------------- monitor
+
+
+class _PollError(Exception):
+    """A poll that got no usable answer; the message is safe to log."""
+
+
+@dataclass
+class _Track:
+    """Mutable per-backend bookkeeping; published as a BackendState."""
+
+    url: str
+    generation: int = 0
+    probe_ok: bool = True
+    held_out_until: float = 0.0
+    models: tuple[str, ...] | None = None
+    models_ok: bool = False
+    models_polled: bool = False
+    scrape_ok: bool = True
+    scraped_at: float | None = None
+    counter: tuple[float, float] | None = None  # (time, generation tokens) of the latest scrape
+    tps: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+
+    def reset_load(self) -> None:
+        self.scrape_ok = True
+        self.scraped_at = self.counter = self.tps = self.waiting = self.running = None
+
+
+class Monitor:
+    """Keeps :attr:`states` current for every backend of ``get_snapshot()``.
+
+    ``clock`` stamps scrapes and hold-outs (monotonic seconds); poll timing
+    uses the event loop's own clock. ``on_models_changed`` is called, on the
+    event loop, with ``{backend: models}`` for every backend with a known
+    model list whenever that mapping changes.
+    """
+
+    def __init__(
+        self,
+        get_snapshot: Callable[[], Snapshot],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_models_changed: Callable[[dict[str, tuple[str, ...]]], None] | None = None,
+    ) -> None:
+        self._get_snapshot = get_snapshot
+        self._clock = clock
+        self._on_models_changed = on_models_changed
+        self._lock = threading.Lock()
+        self._tracks: dict[str, _Track] = {}
+        self._order: tuple[str, ...] = ()
+        self._enabled = False
+        self._states: Mapping[str, BackendState] = MappingProxyType({})
+        self._discovered: dict[str, tuple[str, ...]] = {}
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._supervisor: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def states(self) -> Mapping[str, BackendState]:
+        """The current immutable ``{backend: BackendState}``; replaced whole on every change."""
+        return self._states
+
+    async def start(self) -> None:
+        """Start polling (the first polls begin at once) and return."""
+        if self._supervisor is not None:
+            return
+        self._stopping = False
+        snap = self._snapshot()
+        timeout = snap.config.monitor.timeout_s if snap is not None else 2.0
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            connector=aiohttp.TCPConnector(limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            headers={"user-agent": "model-router-monitor"},
+        )
+        if snap is not None:
+            self._reconcile(snap)
+        self._supervisor = asyncio.create_task(self._supervise(), name="monitor-supervisor")
+
+    async def stop(self) -> None:
+        """Cancel every task and close the HTTP session; the last states stay readable."""
+        self._stopping = True
+        tasks = list(self._tasks.values())
+        if self._supervisor is not None:
+            tasks.append(self._supervisor)
+        self._tasks.clear()
+        self._supervisor = None
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def report_response(self, backend: str, status: int | None) -> None:
+        """Passive health: a status >= 500, or None (reset, no response), holds the backend out.
+
+        The hold-out lasts ``monitor.passive_holdout_s`` from now; any other
+        status, an unknown backend or a disabled monitor changes nothing.
+        """
+        if status is not None and status < 500:
+            return
+        snap = self._snapshot()
+        if snap is None or not snap.config.monitor.enabled:
+            return
+        holdout = snap.config.monitor.passive_holdout_s
+        with self._lock:
+            track = self._tracks.get(backend)
+            if track is None or not self._enabled:
+                return
+            until = self._clock() + holdout
+            if until <= track.held_out_until:
+                return
+            track.held_out_until = until
+        self._publish(snap.config.monitor)
+
+    def load(self, state: BackendState, now: float) -> tuple[float | None, float | None, float | None]:
+        """``(throughput_tps, waiting, running)``, all None unless the latest scrape is fresh at ``now``."""
+        if not state.fresh(now, self._monitor_config().freshness_s):
+            return None, None, None
+        return state.throughput_tps, state.waiting, state.running
+
+    def throughput(self, state: BackendState, now: float) -> float | None:
+        """Generation tokens/s, or None when unknown or the latest scrape is older than ``freshness_s``."""
+        return self.load(state, now)[0]
+
+    def admissible(self, state: BackendState, now: float) -> bool:
+        """:meth:`BackendState.admissible` with the configured ``max_waiting`` and ``freshness_s``."""
+        mon = self._monitor_config()
+        return state.admissible(now, mon.max_waiting, mon.freshness_s)
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _snapshot(self) -> Snapshot | None:
+        try:
+            return self._get_snapshot()
+        except Exception:
+            log.warning("monitor: reading the current snapshot failed", exc_info=True)
+            return None
+
+    def _monitor_config(self) -> MonitorConfig:
+        snap = self._snapshot()
+        return snap.config.monitor if snap is not None else MonitorConfig()
+
+    def _wanted_kinds(self, info: BackendInfo) -> set[str]:
+        kinds = {"models"}
+        if info.config.probe_path:
+            kinds.add("probe")
+        if info.config.scrape_path:
+            kinds.add("scrape")
+        return kinds
+
+    def _reconcile(self, snap: Snapshot) -> None:
+        """Match tracks and poll tasks to the snapshot's backends and monitor settings."""
+        mon = snap.config.monitor
+        wanted: set[tuple[str, str]] = set()
+        with self._lock:
+            self._enabled = mon.enabled
+            self._order = tuple(snap.backends)
+            for name in list(self._tracks):
+                if name not in snap.backends:
+                    del self._tracks[name]
+            for name, info in snap.backends.items():
+                track = self._tracks.get(name)
+                active = mon.enabled and _pollable(info)
+                if track is None or track.url != info.url or (not active and _differs_from_fresh(track)):
+                    generation = track.generation + 1 if track is not None else 0
+                    track = self._tracks[name] = _Track(url=info.url, generation=generation)
+                if not active:
+                    continue
+                kinds = self._wanted_kinds(info)
+                if "probe" not in kinds and not track.probe_ok:
+                    track.probe_ok = True
+                    track.generation += 1
+                if "scrape" not in kinds and track.scraped_at is not None:
+                    track.reset_load()
+                    track.generation += 1
+                wanted.update((name, k) for k in kinds)
+        if not self._stopping and self._session is not None:
+            for key in list(self._tasks):
+                if key not in wanted or self._tasks[key].done():
+                    task = self._tasks.pop(key)
+                    if key not in wanted:
+                        task.cancel()
+            for key in sorted(wanted):
+                if key not in self._tasks:
+                    self._tasks[key] = asyncio.create_task(self._poll_loop(*key), name=f"monitor-{key[1]}-{key[0]}")
+        self._publish(mon)
+
+    def _publish(self, mon: MonitorConfig) -> None:
+        """Replace the published mapping when any state differs; report model-list changes."""
+        now = self._clock()
+        with self._lock:
+            old = self._states
+            new: dict[str, BackendState] = {}
+            for name in self._order:
+                track = self._tracks.get(name)
+                if track is None:
+                    continue
+                state = self._state_of(name, track, now, mon)
+                prev = old.get(name)
+                new[name] = prev if prev == state else state
+            if list(new) != list(old) or any(new[n] is not old.get(n) for n in new):
+                self._states = MappingProxyType(new)
+            discovered = {n: s.models for n, s in new.items() if s.models is not None}
+            changed = discovered != self._discovered
+            if changed:
+                self._discovered = discovered
+        if changed and self._on_models_changed is not None:
+            try:
+                self._on_models_changed(dict(discovered))
+            except Exception:
+                log.warning("monitor: the on_models_changed callback failed", exc_info=True)
+
+    def _state_of(self, name: str, track: _Track, now: float, mon: MonitorConfig) -> BackendState:
+        if not self._enabled:
+            return BackendState(name)
+        fresh = track.scraped_at is not None and now - track.scraped_at <= mon.freshness_s
+        return BackendState(
+            name=name,
+            healthy=track.probe_ok,
+            held_out_until=track.held_out_until,
+            models=track.models,
+            models_ok=track.models_ok,
+            throughput_tps=track.tps if fresh else None,
+            waiting=track.waiting if fresh else None,
+            running=track.running if fresh else None,
+            scraped_at=track.scraped_at,
+        )
+
+    def _apply(self, name: str, generation: int, update: Callable[[_Track], None]) -> None:
+        """Run ``update`` on the backend's track unless it was reset since the poll began, then publish."""
+        with self._lock:
+            track = self._tracks.get(name)
+            if track is None or track.generation != generation:
+                return
+            update(track)
+        self._publish(self._monitor_config())
+
+    # ------------------------------------------------------------------- tasks
+
+    async def _supervise(self) -> None:
+        while True:
+            period = MAX_RECONCILE_S
+            try:
+                snap = self._snapshot()
+                if snap is not None:
+                    mon = snap.config.monitor
+                    period = min(MAX_RECONCILE_S, mon.probe_interval_s, mon.scrape_interval_s, mon.models_interval_s)
+                    self._reconcile(snap)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("monitor: reconciling backends failed", exc_info=True)
+            await asyncio.sleep(period)
+
+    async def _poll_loop(self, name: str, kind: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            snap = self._snapshot()
+            if snap is None:
+                await asyncio.sleep(MAX_RECONCILE_S)
+                continue
+            info = snap.backends.get(name)
+            mon = snap.config.monitor
+            if info is None or not mon.enabled or not _pollable(info) or kind not in self._wanted_kinds(info):
+                return
+            started = loop.time()
+            try:
+                await getattr(self, f"_{kind}")(info, mon)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("monitor: %s poll of backend %s failed unexpectedly", kind, name, exc_info=True)
+            while True:
+                snap = self._snapshot()
+                if snap is None:
+                    interval = MAX_RECONCILE_S
+                else:
+                    interval = getattr(snap.config.monitor, f"{kind}_interval_s")
+                remaining = started + interval - loop.time()
+                if remaining <= 0:
+                    break
+                await asyncio.sleep(min(remaining, MAX_SLEEP_CHUNK_S))
+
+    def _generation(self, name: str) -> int | None:
+        with self._lock:
+            track = self._tracks.get(name)
+            return None if track is None else track.generation
+
+    async def _get(self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict | None = None) -> bytes:
+        """GET a backend path; the body of a 2xx answer, else :class:`_PollError`."""
+        session = self._session
+        if session is None or session.closed:
+            raise _PollError("monitor is stopped")
+        try:
+            async with session.get(
+                poll_url(info, path),
+                headers=auth_headers(info),
+                params=params,
+                timeout=aiohttp.ClientTimeout(total=mon.timeout_s),
+                allow_redirects=False,
+            ) as resp:
+                if not 200 <= resp.status < 300:
+                    raise _PollError(f"status {resp.status}")
+                if resp.content_length is not None and resp.content_length > MAX_BODY_BYTES:
+                    raise _PollError("body too large")
+                chunks, size = [], 0
+                async for chunk in resp.content.iter_chunked(65536):
+                    size += len(chunk)
+                    if size > MAX_BODY_BYTES:
+                        raise _PollError("body too large")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except asyncio.TimeoutError:
+            raise _PollError(f"no answer within {mon.timeout_s}s") from None
+        except aiohttp.ClientError as exc:
+            raise _PollError(type(exc).__name__) from None
+        except OSError as exc:
+            raise _PollError(type(exc).__name__) from None
+
+    async def _probe(self, info: BackendInfo, mon: MonitorConfig) -> None:
+        generation = self._generation(info.name)
+        path = info.config.probe_path or ""
+        try:
+            await self._get(info, path, mon)
+            ok = True
+        except _PollError as exc:
+            ok = False
+            reason = str(exc)
+
+        def update(track: _Track) -> None:
+            if track.probe_ok != ok:
+                if ok:
+                    log.info("monitor: backend %s is healthy again (%s)", info.name, path)
+                else:
+                    log.warning("monitor: backend %s failed its health probe %s: %s", info.name, path, reason)
+            track.probe_ok = ok
+
+        if generation is not None:
+            self._apply(info.name, generation, update)
+
+    async def _scrape(self, info: BackendInfo, mon: MonitorConfig) -> None:
+        generation = self._generation(info.name)
+        path = info.config.scrape_path or ""
+        try:
+            body = await self._get(info, path, mon)
+            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"))
+            error = None
+        except _PollError as exc:
+            metrics, error = None, str(exc)
+        at = self._clock()
+
+        def update(track: _Track) -> None:
+            if metrics is None:
+                if track.scrape_ok:
+                    log.debug("monitor: metrics scrape of backend %s (%s) failed: %s", info.name, path, error)
+                track.scrape_ok = False
+                return
+            track.scrape_ok = True
+            if metrics.gen_throughput is not None and (
+                info.config.type == "sglang" or metrics.generation_tokens_total is None
+            ):
+                track.tps = metrics.gen_throughput
+            elif metrics.generation_tokens_total is not None:
+                current = (at, metrics.generation_tokens_total)
+                track.tps = compute_throughput(track.counter, current, mon.freshness_s)
+            else:
+                track.tps = None
+            track.counter = (
+                (at, metrics.generation_tokens_total) if metrics.generation_tokens_total is not None else None
+            )
+            track.waiting = metrics.waiting
+            track.running = metrics.running
+            track.scraped_at = at
+
+        if generation is not None:
+            self._apply(info.name, generation, update)
+
+    async def _models(self, info: BackendInfo, mon: MonitorConfig) -> None:
+        generation = self._generation(info.name)
+        # Anthropic pages its model list (20 by default).
+        params = {"limit": "1000"} if info.family == "anthropic" else None
+        try:
+            models: tuple[str, ...] | None = parse_models(await self._get(info, MODELS_PATH, mon, params))
+            error = None
+        except _PollError as exc:
+            models, error = None, str(exc)
+        except ValueError:
+            models, error = None, "not a model list"
+
+        def update(track: _Track) -> None:
+            first = not track.models_polled
+            track.models_polled = True
+            if models is None:
+                if track.models_ok or first:
+                    log.warning("monitor: listing the models of backend %s failed: %s", info.name, error)
+                else:
+                    log.debug("monitor: listing the models of backend %s failed: %s", info.name, error)
+                track.models_ok = False
+                return
+            if models != track.models:
+                log.info("monitor: backend %s serves %d model(s)", info.name, len(models))
+            track.models = models
+            track.models_ok = True
+
+        if generation is not None:
+            self._apply(info.name, generation, update)
+
+
+def _differs_from_fresh(track: _Track) -> bool:
+    """Whether an inactive backend's track still carries statements that must be dropped."""
+    return track != _Track(url=track.url, generation=track.generation)

@@ -1,0 +1,586 @@
+"""The backend monitor: parsing helpers, the freshness and admission rules, and live polling of demo engines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import MappingProxyType
+
+import aiohttp
+import pytest
+
+from sidecar.config import parse
+from sidecar.monitor import (
+    BackendState,
+    EngineMetrics,
+    Monitor,
+    auth_headers,
+    compute_throughput,
+    parse_engine_metrics,
+    parse_models,
+    poll_url,
+)
+from sidecar.snapshot import build
+from sidecar.stack import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="llama"} 1.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="llama"} 1000.0
+vllm:generation_tokens_total{engine="1",model_name="llama"} 234.0
+# HELP vllm:generation_tokens_created Number of generation tokens processed.
+# TYPE vllm:generation_tokens_created gauge
+vllm:generation_tokens_created{engine="0",model_name="llama"} 1.7e+09
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="llama"} 0.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="llama"} 12.0
+vllm:time_to_first_token_seconds_count{model_name="llama"} 12.0
+vllm:time_to_first_token_seconds_sum{model_name="llama"} 1.5
+# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.
+# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total 12.5
+"""
+
+SGLANG_PAGE = """\
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="qwen",tp_rank="0"} 812.5
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 6.0
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 9.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="qwen",tp_rank="0"} 0.25
+"""
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_parse_vllm_sums_label_sets_and_ignores_other_metrics():
+    m = parse_engine_metrics(VLLM_PAGE)
+    assert m == EngineMetrics(generation_tokens_total=1234.0, waiting=5.0, running=5.0, gen_throughput=None)
+
+
+def test_parse_sglang():
+    m = parse_engine_metrics(SGLANG_PAGE)
+    assert m == EngineMetrics(generation_tokens_total=None, waiting=6.0, running=9.0, gen_throughput=812.5)
+
+
+def test_parse_missing_metrics_are_none():
+    assert parse_engine_metrics("") == EngineMetrics()
+    assert parse_engine_metrics("# just a comment\nprocess_cpu_seconds_total 1\n") == EngineMetrics()
+    only_waiting = "vllm:num_requests_waiting 2\n"
+    assert parse_engine_metrics(only_waiting) == EngineMetrics(waiting=2.0)
+
+
+def test_parse_without_help_or_type_lines_and_with_family_named_without_total():
+    untyped = 'vllm:generation_tokens_total{model_name="m"} 42\nvllm:num_requests_running 1\n'
+    assert parse_engine_metrics(untyped) == EngineMetrics(generation_tokens_total=42.0, running=1.0)
+    openmetrics_style = (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 42\n'
+        'vllm:generation_tokens_created{model_name="m"} 1.7e9\n'
+    )
+    assert parse_engine_metrics(openmetrics_style).generation_tokens_total == 42.0
+
+
+def test_parse_tolerates_malformed_lines_and_non_finite_values():
+    page = (
+        "this is not prometheus text {{{\n"
+        'vllm:num_requests_waiting{model_name="a"} 3\n'
+        'vllm:num_requests_waiting{model_name="b" oops\n'
+        'vllm:num_requests_waiting{model_name="c"} NaN\n'
+        'vllm:num_requests_running{model_name="a"} +Inf\n'
+        'vllm:generation_tokens_total{model_name="a"} 7 1700000000000\n'
+    )
+    m = parse_engine_metrics(page)
+    assert m.waiting == 3.0
+    assert m.running is None
+    assert m.generation_tokens_total == 7.0
+
+
+def test_parse_models():
+    body = b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}, {"id": "a"}, {"id": 3}, {"x": 1}, "c", {"id": ""}]}'
+    assert parse_models(body) == ("a", "b")
+    assert parse_models('{"data": []}') == ()
+    for bad in (b"[]", b'{"models": []}', b"not json", b'{"data": {}}'):
+        with pytest.raises(ValueError):
+            parse_models(bad)
+
+
+# --------------------------------------------------------------------------- throughput rule
+
+
+def test_throughput_fresh_pair():
+    assert compute_throughput((10.0, 100.0), (12.0, 300.0), freshness_s=5) == pytest.approx(100.0)
+    assert compute_throughput((10.0, 100.0), (12.0, 100.0), freshness_s=5) == 0.0
+
+
+def test_throughput_needs_a_previous_scrape_and_time_order():
+    assert compute_throughput(None, (12.0, 300.0), freshness_s=5) is None
+    assert compute_throughput((12.0, 100.0), (12.0, 300.0), freshness_s=5) is None
+    assert compute_throughput((13.0, 100.0), (12.0, 300.0), freshness_s=5) is None
+
+
+def test_throughput_stale_pair_makes_no_statement():
+    assert compute_throughput((10.0, 100.0), (15.0, 300.0), freshness_s=5) == pytest.approx(40.0)
+    assert compute_throughput((10.0, 100.0), (15.5, 300.0), freshness_s=5) is None
+
+
+def test_throughput_counter_reset_waits_for_the_next_pair():
+    assert compute_throughput((10.0, 5000.0), (12.0, 40.0), freshness_s=5) is None
+    assert compute_throughput((12.0, 40.0), (14.0, 140.0), freshness_s=5) == pytest.approx(50.0)
+
+
+# --------------------------------------------------------------------------- admission and freshness
+
+
+def test_admissible():
+    s = BackendState("a", waiting=4.0, scraped_at=100.0)
+    assert s.admissible(100.0, None)
+    assert s.admissible(100.0, 4)
+    assert not s.admissible(100.0, 3)
+    assert BackendState("a").admissible(0.0, 0)  # unknown queue never blocks
+    assert not BackendState("a", healthy=False).admissible(0.0, None)
+    held = BackendState("a", held_out_until=50.0)
+    assert not held.admissible(49.9, None)
+    assert held.admissible(50.0, None)
+    # With a freshness bound, a stale queue figure no longer blocks.
+    assert not s.admissible(105.0, 3, freshness_s=5.0)
+    assert s.admissible(105.1, 3, freshness_s=5.0)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def snapshot_from(text: str, urls: dict[str, str] | None = None):
+    return build(parse(textwrap.dedent(text), env={}).config, url_overrides=urls or {})
+
+
+def test_freshness_rule_with_fake_clock():
+    snap = snapshot_from(
+        """
+        monitor: {freshness_s: 5}
+        backends: [{name: a, url: "http://127.0.0.1:1", type: vllm}]
+        """
+    )
+    clock = FakeClock(100.0)
+    mon = Monitor(lambda: snap, clock=clock)
+    state = BackendState("a", throughput_tps=50.0, waiting=3.0, running=2.0, scraped_at=100.0)
+    assert mon.load(state, 105.0) == (50.0, 3.0, 2.0)
+    assert mon.throughput(state, 105.0) == 50.0
+    assert mon.load(state, 105.01) == (None, None, None)
+    assert mon.throughput(state, 105.01) is None
+    assert mon.throughput(BackendState("a"), 100.0) is None
+
+
+def test_poll_url_and_credentials():
+    snap = snapshot_from(
+        """
+        backends:
+          - {name: o, url: "https://api.example.com/proxy/v1", api_key: sk-o}
+          - {name: an, url: "https://api.example.com", type: anthropic, api_key: ak-a}
+          - {name: plain, url: "http://127.0.0.1:8000/"}
+        """
+    )
+    o, an, plain = snap.backends["o"], snap.backends["an"], snap.backends["plain"]
+    assert poll_url(o, "/v1/models") == "https://api.example.com/proxy/v1/models"
+    assert poll_url(plain, "/health") == "http://127.0.0.1:8000/health"
+    assert auth_headers(o) == {"authorization": "Bearer sk-o"}
+    assert auth_headers(an) == {"x-api-key": "ak-a", "anthropic-version": "2023-06-01"}
+    assert auth_headers(plain) == {}
+
+
+# --------------------------------------------------------------------------- live helpers
+
+
+class Engine:
+    """A demo engine subprocess on a free loopback port."""
+
+    def __init__(self, name: str, models: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "sidecar", "demo-engine", "--port", str(self.port), "--name", name]
+        for m in models:
+            argv += ["--model", m]
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+        )
+        deadline = time.monotonic() + 15
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"demo engine {name} exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"demo engine {name} did not become ready")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+@pytest.fixture
+def engines():
+    started: list[Engine] = []
+
+    def start(name: str = "e", models: list[str] | None = None) -> Engine:
+        e = Engine(name, models or ["demo-model"])
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+def run(coro, timeout: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def wait_for(predicate, what: str, timeout: float = 5.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def demo(url: str, method: str = "POST", path: str = "/_demo/state", **body):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url + path, json=body if method == "POST" else None) as r:
+            assert r.status == 200
+            return await r.json()
+
+
+FAST = """
+monitor:
+  probe_interval_s: 0.1
+  scrape_interval_s: 0.2
+  models_interval_s: 0.2
+  freshness_s: {freshness}
+  timeout_s: 0.5
+  passive_holdout_s: 5
+backends:
+  - {{name: a, url: "demo://", type: vllm}}
+"""
+
+
+def fast(freshness: float = 2.0) -> str:
+    return FAST.format(freshness=freshness)
+
+
+# --------------------------------------------------------------------------- live tests
+
+
+def test_discovery_finds_models_and_reports_changes(engines):
+    eng = engines("a", ["llama-3.1-8b", "qwen3-8b"])
+    snap = snapshot_from(fast(), {"a": eng.url})
+    seen: list[dict] = []
+
+    async def main():
+        mon = Monitor(lambda: snap, on_models_changed=seen.append)
+        await mon.start()
+        try:
+            await wait_for(lambda: mon.states["a"].models_ok, "discovery")
+            state = mon.states["a"]
+            assert state.models == ("llama-3.1-8b", "qwen3-8b")
+            assert state.healthy
+            assert seen == [{"a": ("llama-3.1-8b", "qwen3-8b")}]
+            await asyncio.sleep(0.5)  # more polls with the same list report nothing new
+            assert len(seen) == 1
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_throughput_follows_generated_tokens(engines):
+    eng = engines()
+    snap = snapshot_from(fast(), {"a": eng.url})
+    tokens, interval = 10_000, 0.2
+
+    async def main():
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            # Two scrapes with an unchanged counter: a statement of zero, not "unknown".
+            await wait_for(lambda: mon.throughput(mon.states["a"], time.monotonic()) == 0.0, "zero throughput")
+            await demo(eng.url, extra_generation_tokens=tokens)
+            tps = await wait_for(lambda: mon.throughput(mon.states["a"], time.monotonic()), "throughput > 0")
+            assert math.isfinite(tps)
+            assert tokens / (interval * 5) <= tps <= tokens / (interval / 5)
+            # No more tokens: the next pair says zero again.
+            await wait_for(lambda: mon.throughput(mon.states["a"], time.monotonic()) == 0.0, "throughput back to 0")
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_waiting_and_running_follow_the_engine_and_gate_admission(engines):
+    eng = engines()
+    snap = snapshot_from(fast().replace("passive_holdout_s: 5", "passive_holdout_s: 5\n  max_waiting: 5"), {"a": eng.url})
+
+    async def main():
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: mon.states["a"].scraped_at is not None, "first scrape")
+            assert mon.admissible(mon.states["a"], time.monotonic())
+            await demo(eng.url, waiting=7, running=3)
+            await wait_for(lambda: mon.load(mon.states["a"], time.monotonic())[1] == 7.0, "waiting == 7")
+            state = mon.states["a"]
+            _, waiting, running = mon.load(state, time.monotonic())
+            assert waiting == 7.0 and running >= 3.0  # running also counts in-flight /v1 requests
+            now = time.monotonic()
+            assert not mon.admissible(state, now)
+            assert not state.admissible(now, 5)
+            assert state.admissible(now, 7)
+            await demo(eng.url, waiting=0)
+            await wait_for(lambda: mon.states["a"].waiting == 0.0, "waiting == 0")
+            assert mon.admissible(mon.states["a"], time.monotonic())
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_active_probe_follows_engine_health(engines):
+    eng = engines()
+    snap = snapshot_from(fast(), {"a": eng.url})
+
+    async def main():
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: mon.states["a"].models_ok, "discovery")
+            assert mon.states["a"].healthy
+            await demo(eng.url, healthy=False)
+            await wait_for(lambda: not mon.states["a"].healthy, "unhealthy")
+            assert not mon.admissible(mon.states["a"], time.monotonic())
+            await demo(eng.url, healthy=True)
+            await wait_for(lambda: mon.states["a"].healthy, "healthy again")
+            await wait_for(lambda: mon.states["a"].models_ok, "models listed again")
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_stopped_engine_goes_unhealthy_keeps_models_and_load_goes_stale(engines):
+    eng = engines("a", ["m1"])
+    freshness = 0.6
+    snap = snapshot_from(fast(freshness), {"a": eng.url})
+
+    async def main():
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(
+                lambda: mon.states["a"].models_ok and mon.throughput(mon.states["a"], time.monotonic()) is not None,
+                "discovery and a throughput figure",
+            )
+            await asyncio.to_thread(eng.stop)
+            await wait_for(lambda: not mon.states["a"].healthy, "unhealthy after stop")
+            await wait_for(lambda: not mon.states["a"].models_ok, "models_ok false after stop")
+            assert mon.states["a"].models == ("m1",)
+            await wait_for(lambda: mon.throughput(mon.states["a"], time.monotonic()) is None, "stale throughput")
+            assert mon.load(mon.states["a"], time.monotonic()) == (None, None, None)
+            # The published state drops the stale figures too; the scrape time stays.
+            await wait_for(lambda: mon.states["a"].waiting is None, "stale waiting dropped")
+            state = mon.states["a"]
+            assert state.throughput_tps is None and state.running is None
+            assert state.scraped_at is not None
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_passive_holdout_with_fake_clock():
+    port = free_port()  # nothing listens here
+    snap = snapshot_from(
+        f"""
+        monitor: {{passive_holdout_s: 10, models_interval_s: 0.2, timeout_s: 0.5}}
+        backends: [{{name: hosted, url: "http://127.0.0.1:{port}", type: openai}}]
+        """
+    )
+    clock = FakeClock(1000.0)
+
+    async def main():
+        mon = Monitor(lambda: snap, clock=clock)
+        await mon.start()
+        try:
+            before = mon.states
+            assert before["hosted"].admissible(clock(), None)  # no probe path: healthy until a failure
+            for status in (200, 404, 429, 499):
+                mon.report_response("hosted", status)
+            assert mon.states is before
+            mon.report_response("nope", 503)  # unknown backend: ignored
+            mon.report_response("hosted", 503)
+            state = mon.states["hosted"]
+            assert mon.states is not before
+            assert state.held_out_until == 1010.0
+            assert state.healthy  # the probe result; the hold-out is time-bound
+            assert not state.admissible(clock(), None)
+            clock.now = 1009.99
+            assert not mon.states["hosted"].admissible(clock(), None)
+            mon.report_response("hosted", None)  # a reset extends the hold-out
+            assert mon.states["hosted"].held_out_until == pytest.approx(1019.99)
+            clock.now = 1020.0
+            assert mon.states["hosted"].admissible(clock(), None)
+            await wait_for(lambda: mon.states["hosted"].models is None and not mon.states["hosted"].models_ok, "failed listing")
+            assert mon.states["hosted"].healthy
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_credentials_on_model_listing_and_no_key_in_logs(engines, caplog):
+    eng = engines("k", ["m"])
+    snap = snapshot_from(
+        """
+        monitor: {probe_interval_s: 0.1, scrape_interval_s: 0.1, models_interval_s: 0.1}
+        backends:
+          - {name: o, url: "demo://", type: openai, api_key: sk-secret-openai}
+          - {name: an, url: "demo://", type: anthropic, api_key: sk-secret-anthropic}
+          - {name: down, url: "http://127.0.0.1:1", type: vllm, api_key: sk-secret-down}
+        """,
+        {"o": eng.url, "an": eng.url},
+    )
+    caplog.set_level(logging.DEBUG, logger="model_router.monitor")
+
+    async def main():
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: mon.states["o"].models_ok and mon.states["an"].models_ok, "discovery")
+            await wait_for(lambda: not mon.states["down"].healthy, "unreachable backend unhealthy")
+            records = await demo(eng.url, "GET", "/_demo/requests")
+        finally:
+            await mon.stop()
+        return records
+
+    records = run(main())
+    listings = [r for r in records if r["path"] == "/v1/models"]
+    openai = [r for r in listings if r["headers"].get("authorization") == "Bearer sk-secret-openai"]
+    anthropic = [r for r in listings if r["headers"].get("x-api-key") == "sk-secret-anthropic"]
+    assert openai and anthropic
+    assert all("x-api-key" not in r["headers"] for r in openai)
+    assert all(r["headers"].get("anthropic-version") == "2023-06-01" for r in anthropic)
+    assert all("authorization" not in r["headers"] for r in anthropic)
+    assert "down" in caplog.text
+    assert "sk-secret" not in caplog.text
+
+
+def test_disabled_monitor_polls_nothing_and_reloads_take_effect(engines):
+    eng = engines("a", ["m1"])
+    disabled = snapshot_from(fast().replace("monitor:", "monitor:\n  enabled: false"), {"a": eng.url})
+    enabled = snapshot_from(fast(), {"a": eng.url})
+    two = snapshot_from(fast() + '  - {name: b, url: "demo://", type: vllm}\n', {"a": eng.url, "b": eng.url})
+    only_b = snapshot_from(fast().replace("name: a", "name: b"), {"b": eng.url})
+    current = [disabled]
+    seen: list[dict] = []
+
+    async def main():
+        mon = Monitor(lambda: current[0], on_models_changed=seen.append)
+        await mon.start()
+        try:
+            assert set(mon.states) == {"a"}
+            await asyncio.sleep(0.6)
+            assert await demo(eng.url, "GET", "/_demo/requests") == []
+            assert mon.states["a"] == BackendState("a")
+            mon.report_response("a", 503)
+            assert mon.states["a"].admissible(time.monotonic(), 0)
+            assert seen == []
+
+            current[0] = enabled
+            await wait_for(lambda: mon.states["a"].models == ("m1",), "discovery after enabling")
+            assert seen[-1] == {"a": ("m1",)}
+
+            current[0] = two
+            await wait_for(lambda: "b" in mon.states and mon.states["b"].models_ok, "added backend discovered")
+            assert seen[-1] == {"a": ("m1",), "b": ("m1",)}
+
+            current[0] = only_b
+            await wait_for(lambda: "a" not in mon.states, "removed backend dropped")
+            assert set(mon.states) == {"b"}
+            assert seen[-1] == {"b": ("m1",)}
+
+            current[0] = disabled
+            await wait_for(lambda: set(mon.states) == {"a"} and mon.states["a"] == BackendState("a"), "disabled again")
+            assert seen[-1] == {}
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def test_states_is_a_new_immutable_mapping_per_change(engines):
+    eng = engines()
+    snap = snapshot_from(fast(), {"a": eng.url})
+
+    async def main():
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            first = mon.states
+            assert isinstance(first, MappingProxyType)
+            with pytest.raises(TypeError):
+                first["a"] = BackendState("a")  # type: ignore[index]
+            await demo(eng.url, waiting=3)
+            await wait_for(lambda: mon.states["a"].waiting == 3.0, "waiting == 3")
+            assert first is not mon.states
+            assert first.get("a") is None or first["a"].waiting != 3.0
+        finally:
+            await mon.stop()
+
+    run(main())
