@@ -166,10 +166,11 @@ class SSERewriter:
     optional single space; several ``data`` lines join with ``\\n``. Only
     complete events are released. An event is re-serialised only when its
     data is JSON that needs a change; then its data lines are replaced by a
-    single ``data: <compact json>`` line (at the position of the first data
-    line, ending like the first data line) and every other line, including
-    comments, ``event:``, ``id:`` and ``retry:`` lines and the terminating
-    blank line, is kept byte for byte. Every other event, e.g. ``data:
+    single ``data: <compact json>`` line (at the position of the last data
+    line, ending like it, so no line terminators become adjacent that were
+    not before) and every other line, including comments, ``event:``,
+    ``id:`` and ``retry:`` lines and the terminating blank line, is kept
+    byte for byte. Every other event, e.g. ``data:
     [DONE]``, non-JSON data or events without anything to rewrite, is
     released byte-identical.
 
@@ -386,7 +387,7 @@ class SSERewriter:
         self._cr_tail = False
         if not rest:
             return b""
-        if rest[-1] in (10, 13) and len(rest) <= self.max_line:
+        if rest[-1] == 10 or rest[-1] == 13:
             result = self._event(rest)
             return b"" if result is None else result
         return rest
@@ -446,22 +447,24 @@ class SSERewriter:
         if lines is None:
             return b"data: " + payload + term
 
-        first = lines[idx[0]]
-        if first.endswith(b"\r\n"):
+        at = idx[-1]
+        last = lines[at]
+        if last.endswith(b"\r\n"):
             term = b"\r\n"
-        elif first.endswith(b"\n"):
+        elif last.endswith(b"\n"):
             term = b"\n"
-        elif first.endswith(b"\r"):
+        elif last.endswith(b"\r"):
             term = b"\r"
         else:
             term = b""
         new_line = b"data: " + payload + term
         if len(lines) == 1:
             return new_line
-        data_idx = set(idx)
-        data_idx.discard(idx[0])
-        lines[idx[0]] = new_line
-        return b"".join([line for i, line in enumerate(lines) if i not in data_idx])
+        lines[at] = new_line
+        if len(idx) == 1:
+            return b"".join(lines)
+        removed = set(idx[:-1])
+        return b"".join([line for i, line in enumerate(lines) if i not in removed])
 
     @staticmethod
     def _split(content: bytes):
