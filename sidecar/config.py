@@ -318,6 +318,37 @@ class Monitor(_Model):
     max_waiting: Annotated[int, Field(ge=0)] | None = None
 
 
+class WebSearch(_Model):
+    """The search provider behind the :online variant's tool loop."""
+
+    enabled: bool = False
+    # searxng: GET <url>?q=<query>&format=json -> {"results": [{url, title, content}]}.
+    # http_json: a generic JSON API described by the fields below.
+    provider: Literal["searxng", "http_json"] = "searxng"
+    url: str
+    api_key: str | None = None
+    api_key_header: str = "authorization"  # sent as "Bearer <key>" when it is authorization
+    method: Literal["GET", "POST"] = "GET"
+    query_field: str = "q"  # query parameter (GET) or JSON field (POST)
+    count_field: str | None = None  # where the wanted number of results goes, if the API takes one
+    results_path: str = "results"  # dotted path to the result list in the response
+    title_field: str = "title"
+    url_field: str = "url"
+    snippet_field: str = "content"
+    results: Annotated[int, Field(ge=1, le=20)] = 5
+    max_iterations: Annotated[int, Field(ge=1, le=10)] = 3
+    timeout_s: Annotated[float, Field(gt=0, le=120)] = 10.0  # each provider or model call
+    deadline_s: Annotated[float, Field(gt=0, le=600)] = 60.0  # the whole loop
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+
 class VariantSuffixes(_Model):
     enabled: bool = False
     # :floor prices a request without max_tokens as if it asked for this many.
@@ -338,6 +369,7 @@ class Config(_Model):
     model_aliases: dict[str, str] = {}
     model_metadata: list[ModelMetadata] = []
     monitor: Monitor = Monitor()
+    web_search: WebSearch | None = None
     model_experiments: Annotated[list[Experiment], Field(max_length=MAX_EXPERIMENTS)] = []
 
 

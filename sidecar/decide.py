@@ -237,7 +237,14 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         if "reasoning_effort" not in data:
             edits["reasoning_effort"] = "high"
     elif word == "online":
-        return _unsupported(requested, word, family)
+        # The router runs the search loop itself: buffered only, and only on
+        # backends it may add a tool to.
+        ws = snap.config.web_search
+        if ws is None or not ws.enabled or data.get("stream") is True:
+            return _unsupported(requested, word, family)
+        candidates = [b for b in candidates if not b.config.commercial and b.family == "openai"]
+        if not candidates:
+            return _unsupported(requested, word, family)
 
     # 6. Health and saturation first; a preference only narrows what is left.
     mon = snap.config.monitor

@@ -570,10 +570,21 @@ class _Engine:
         cap = _cap(body.get("max_completion_tokens"))
         if cap is None:
             cap = _cap(body.get("max_tokens"))
-        usage = self.openai_usage(_all_text(messages), words, cap)
-        self.account(usage["completion_tokens"])
         completion_id = self.next_id("chatcmpl-demo")
         fingerprint = f"fp_{self.name}"
+        tool_reply = self.scripted_tools(body, words) if not body.get("stream") else None
+        if tool_reply is not None:
+            message, finish, words = tool_reply
+            usage = self.openai_usage(_all_text(messages), words, cap)
+            self.account(usage["completion_tokens"])
+            return _json_response({
+                "id": completion_id, "object": "chat.completion", "created": CREATED, "model": model,
+                "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": usage,
+            })
+        usage = self.openai_usage(_all_text(messages), words, cap)
+        self.account(usage["completion_tokens"])
         if not body.get("stream"):
             return _json_response(
                 {
@@ -618,6 +629,45 @@ class _Engine:
             events.append((None, {**base, "choices": [], "usage": usage}))
         events.append((None, b"[DONE]"))
         return await self.stream(request, events)
+
+    def scripted_tools(self, body: dict[str, Any], words: list[str]):
+        """Tool use, scripted by markers in the first user message.
+
+        ``[search:N]`` makes the engine call an offered ``web_search`` tool
+        until N tool results are in the conversation, then answer citing the
+        URLs it was given; ``[client-tool]`` makes it call the first offered
+        tool that is not ``web_search``. Returns (message, finish_reason,
+        reply words) or None when no tool is involved.
+        """
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
+        names = [(t.get("function") or {}).get("name") for t in tools]
+        first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), {})
+        text = _content_text(first_user.get("content")) if first_user else ""
+        done = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "tool")
+        if "[client-tool]" in text and done == 0:
+            other = next((n for n in names if n and n != "web_search"), None)
+            if other:
+                call = {"id": f"call_{self.name}_client", "type": "function",
+                        "function": {"name": other, "arguments": orjson.dumps({"city": "Paris"}).decode()}}
+                return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls", ["tool"]
+        wanted = 0
+        if "[search:" in text:
+            tail = text.split("[search:", 1)[1].split("]", 1)[0]
+            wanted = int(tail) if tail.isdigit() else 0
+        if "web_search" in names and done < wanted:
+            query = f"{_last_user_text(messages)[:80]} #{done + 1}"
+            call = {"id": f"call_{self.name}_{done + 1}", "type": "function",
+                    "function": {"name": "web_search", "arguments": orjson.dumps({"query": query}).decode()}}
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls", ["search"]
+        if done:
+            urls = []
+            for m in messages:
+                if isinstance(m, dict) and m.get("role") == "tool":
+                    urls += [w for w in str(m.get("content", "")).split() if w.startswith("http")]
+            reply = words + ["sources:"] + urls
+            return {"role": "assistant", "content": " ".join(reply), "refusal": None}, "stop", reply
+        return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = self.body(request)

@@ -158,6 +158,8 @@ def bootstrap(
             "failure_mode_allow": False,
             "status_on_error": {"code": 503},
             "message_timeout": f"{server.message_timeout_ms / 1000:.3f}s",
+            # The :online loop asks for more time (override_message_timeout), up to this.
+            "max_message_timeout": "610s",
             "allow_mode_override": True,
             "metadata_options": {"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
             "processing_mode": {

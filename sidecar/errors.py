@@ -21,6 +21,8 @@ _KINDS: dict[str, tuple[int, str, str | None, str]] = {
     "unsupported_model_variant": (404, "invalid_request_error", "unsupported_model_variant", "not_found_error"),
     "too_large": (413, "invalid_request_error", "request_too_large", "request_too_large"),
     "no_backend": (503, "server_error", "no_backend_available", "overloaded_error"),
+    "bad_gateway": (502, "server_error", "upstream_error", "api_error"),
+    "gateway_timeout": (504, "server_error", "upstream_timeout", "api_error"),
     "internal": (500, "server_error", "internal_error", "api_error"),
 }
 

@@ -16,9 +16,11 @@ import logging
 import os
 import random
 import time
+from dataclasses import replace
 from typing import Iterable
 
-from google.protobuf import struct_pb2
+import orjson
+from google.protobuf import duration_pb2, struct_pb2
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -26,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
 
-from . import decide, errors, listing, metrics
+from . import decide, errors, listing, metrics, websearch
 from .errors import Reply
 from .ingress import lookup
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, rewrite_json_body
@@ -140,7 +142,13 @@ class Processor(pbg.ExternalProcessorServicer):
                 if kind == "request_headers":
                     yield self._request_headers(st, req.request_headers)
                 elif kind == "request_body":
-                    yield self._request_body(st, req.request_body)
+                    resp = self._request_body(st, req.request_body)
+                    if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
+                        # The sidecar answers this one itself; keep Envoy waiting for it.
+                        deadline = self.runtime.snapshot.config.web_search.deadline_s + 5
+                        yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
+                        resp = await self._online(st, req.request_body.body)
+                    yield resp
                 elif kind == "response_headers":
                     yield self._response_headers(st, req.response_headers)
                 elif kind == "response_body":
@@ -235,6 +243,19 @@ class Processor(pbg.ExternalProcessorServicer):
                 resp.mode_override.CopyFrom(_MODE_NOTHING_MORE)
             return resp
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
+        route = st.route
+        snap = self.runtime.snapshot
+        request = orjson.loads(route.body if route.body is not None else body)
+        headers = {"content-type": "application/json", **dict(route.set_headers)}
+        reply = await websearch.run(
+            self.runtime.http_session(), snap.config.web_search, route.backend,
+            route.path or st.path, headers, request, route.plan.rewrite_model,
+        )
+        if reply.status >= 500:
+            self.runtime.report_response(route.backend.name, reply.status)
+        return immediate(replace(reply, headers=reply.headers + route.plan.headers))
 
     def _route_common(self, route: decide.Route) -> pb.CommonResponse:
         sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]

@@ -61,6 +61,23 @@ STREAM_ERRORS = Counter(
 )
 
 
+WEB_SEARCH_REQUESTS = Counter(
+    "model_router_web_search_requests_total",
+    ":online requests by outcome (success, provider_error, upstream_error, deadline).",
+    ["result"],
+    registry=REGISTRY,
+)
+WEB_SEARCHES = Counter(
+    "model_router_web_searches_total", "Searches sent to the web-search provider.", registry=REGISTRY,
+)
+WEB_SEARCH_ITERATIONS = Counter(
+    "model_router_web_search_iterations_total", "Model calls made by :online tool loops.", registry=REGISTRY,
+)
+WEB_SEARCH_ERRORS = Counter(
+    "model_router_web_search_provider_errors_total", "Failed calls to the web-search provider.", registry=REGISTRY,
+)
+
+
 def status_class(status: int) -> str:
     if status >= 500:
         return "server_error"

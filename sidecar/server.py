@@ -37,8 +37,21 @@ class Runtime:
         self._stamp = self._file_stamp()
         self.ready = False
         self.monitor = None
+        self._http = None
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
+
+    def http_session(self):
+        """One client session for the sidecar's own upstream calls (the :online loop)."""
+        import aiohttp
+
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
 
     def set_discovered(self, discovered: dict[str, tuple[str, ...]]) -> None:
         """The monitor found new model lists: rebuild the snapshot around them."""
@@ -208,6 +221,7 @@ async def serve_async(
     runtime.ready = False
     watcher.cancel()
     await runtime.monitor.stop()
+    await runtime.close()
     await server.stop(grace=5)
     await runner.cleanup()
 
