@@ -27,13 +27,42 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
 
 
 def cmd_serve(args) -> int:
-    from .server import serve
+    from .config import ConfigError, load
+    from .server import serve, worker_addresses
 
-    serve(
-        args.config, grpc_listen=args.grpc_listen, admin_listen=args.admin_listen,
-        url_overrides=_pairs(args.backend_url, "--backend-url"),
+    try:
+        cfg = load(args.config).config
+    except ConfigError as exc:
+        for e in exc.errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    workers = args.workers or cfg.server.workers
+    grpc_addrs, admin_addrs = worker_addresses(
+        args.grpc_listen or cfg.server.grpc_listen, args.admin_listen or cfg.server.admin_listen, workers
     )
-    return 0
+    if workers == 1:
+        serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
+              url_overrides=_pairs(args.backend_url, "--backend-url"))
+        return 0
+    # One process per worker, each its own ext_proc endpoint (see envoy-config).
+    import subprocess
+
+    extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
+                          "--grpc-listen", g, "--admin-listen", a, *extra])
+        for g, a in zip(grpc_addrs, admin_addrs)
+    ]
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [p.wait() for p in procs]
+    return max(codes)
 
 
 def cmd_validate(args) -> int:
@@ -66,6 +95,7 @@ def cmd_generate(args) -> int:
 
 def cmd_envoy_config(args) -> int:
     from . import envoyconf
+    from .server import worker_addresses
     from .config import ConfigError, load
 
     try:
@@ -80,7 +110,8 @@ def cmd_envoy_config(args) -> int:
             urls[b.name] = f"http://127.0.0.1:{18000 + i}"
             print(f"note: demo backend '{b.name}' mapped to {urls[b.name]} (use --backend-url to change)", file=sys.stderr)
     boot = envoyconf.bootstrap(
-        cfg, sidecar_addresses=args.sidecar or None, backend_urls=urls,
+        cfg, sidecar_addresses=args.sidecar or worker_addresses(cfg.server.grpc_listen, "", cfg.server.workers)[0],
+        backend_urls=urls,
         listen=args.listen, admin_listen=args.admin_listen,
     )
     sys.stdout.write(envoyconf.render(boot))
@@ -108,7 +139,7 @@ def cmd_up(args) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 1
     listen = args.listen or cfg.envoy.listen
-    stack = Stack(Path(path), listen=listen)
+    stack = Stack(Path(path), listen=listen, sidecars=cfg.server.workers)
     stopping = False
 
     def on_signal(signum, frame):
@@ -178,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-listen", help="host:port for the ext_proc gRPC server (overrides server.grpc_listen)")
     s.add_argument("--admin-listen", help="host:port for the admin HTTP server (overrides server.admin_listen)")
     s.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
+    s.add_argument("--workers", type=int, help="sidecar processes on consecutive ports (overrides server.workers)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")

@@ -78,8 +78,8 @@ def _listen(value: str) -> str:
 class Server(_Model):
     grpc_listen: str = "127.0.0.1:50051"
     admin_listen: str = "127.0.0.1:9190"
-    # Extra gRPC ports, one sidecar process each, listed as separate
-    # endpoints of Envoy's ext_proc cluster.
+    # Sidecar processes: worker i listens on the gRPC and admin ports plus i,
+    # and each is a separate endpoint of Envoy's ext_proc cluster.
     workers: Annotated[int, Field(ge=1, le=16)] = 1
     max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 32 * 1024 * 1024
     admin_token: str | None = None
