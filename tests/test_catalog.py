@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import anthropic
@@ -191,3 +192,31 @@ def test_realtime_websocket_through_envoy(hidden):
     assert hello == {"type": "session.created", "session": {"model": "model-c", "engine": "pool-a"}}
     assert echo == "ping"
     assert status == 404
+
+
+def test_discovered_models_are_served_and_listed(stack_factory):
+    """A backend without a models list serves what its own /v1/models reports."""
+    s = stack_factory("""
+monitor: {models_interval_s: 0.3}
+backends:
+  - {name: listed, url: "demo://", models: [m-listed]}
+  - {name: found, url: "demo://"}
+""")
+    # The demo engine behind 'found' reports its default model, demo-model.
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
+    deadline = time.monotonic() + 15
+    while "demo-model" not in {m.id for m in client.models.list()}:
+        assert time.monotonic() < deadline, "discovery did not happen"
+        time.sleep(0.1)
+    r = client.chat.completions.create(model="demo-model", messages=[])
+    assert r.choices[0].message.content.startswith("[found] demo-model")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="not-reported", messages=[])
+
+
+def test_images_edit_experiment_rewrites_the_form_field(shown):
+    body, ctype = _multipart("chat")
+    r = httpx.post(shown.url + "/v1/images/edits", content=body,
+                   headers={"content-type": ctype, "authorization": "Bearer k-all"})
+    assert r.status_code == 200
+    assert r.json()["model"] in ("model-a", "model-b")
