@@ -138,8 +138,8 @@ def cmd_up(args) -> int:
         for e in exc.errors:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    listen = args.listen or cfg.envoy.listen
-    stack = Stack(Path(path), listen=listen, sidecars=cfg.server.workers)
+    logs = Path(tempfile.mkdtemp(prefix="model-router-logs-"))
+    stack = Stack(Path(path), listen=args.listen, sidecars=cfg.server.workers, config_ports=True, workdir=logs)
     stopping = False
 
     def on_signal(signum, frame):
@@ -156,20 +156,21 @@ def cmd_up(args) -> int:
     model = cfg.model_experiments[0].model if cfg.model_experiments else next(
         (m for b in cfg.backends for m in (b.models or [])), "MODEL"
     )
+    admin = "needs server.admin_token" if not cfg.server.admin_token else "token from server.admin_token"
     print(f"""
 model-router is up.
   public URL (Envoy):   {stack.url}
-  sidecar metrics:      http://{stack.sidecar_admin[0]}/metrics
+  sidecar metrics:      http://{stack.sidecar_admin[0]}/metrics   (/admin/*: {admin})
   Envoy admin:          http://{stack.envoy_admin}
-  logs:                 {stack.workdir}
+  logs (kept):          {stack.workdir}
 
 Try it:
   curl -s {stack.url}/v1/chat/completions -H 'authorization: Bearer user-1' \\
        -H 'content-type: application/json' -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}'
 
-See the split (one caller per key, each sticks to its arm):
-  for i in $(seq 1 20); do curl -s -o /dev/null -D - {stack.url}/v1/chat/completions -H "authorization: Bearer user-$i" \\
-       -H 'content-type: application/json' -d '{{"model": "{model}", "messages": []}}' | grep -i x-continuum-experiment-variant; done
+See the split: 100 callers, one key each; each keeps its arm on every request.
+  for i in $(seq 1 100); do curl -s -o /dev/null -D - {stack.url}/v1/chat/completions -H "authorization: Bearer user-$i" \\
+       -H 'content-type: application/json' -d '{{"model": "{model}", "messages": []}}' | grep -i x-continuum-experiment-variant; done | sort | uniq -c
 
 Press Ctrl-C to stop.""", flush=True)
     try:
@@ -183,8 +184,8 @@ Press Ctrl-C to stop.""", flush=True)
         print("stopping...", flush=True)
         stack.stop()
         if tmp is not None:
-            stack.close()
             tmp.cleanup()
+        print(f"stopped; logs are in {logs}", flush=True)
     return 0
 
 

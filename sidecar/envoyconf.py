@@ -255,6 +255,9 @@ def bootstrap(
                 {
                     "name": "public",
                     "address": _addr(listen or config.envoy.listen),
+                    # Without this, a second Envoy on the same address would bind too and
+                    # silently take half the traffic.
+                    "enable_reuse_port": False,
                     "per_connection_buffer_limit_bytes": buffer_limit,
                     "filter_chains": [
                         {

@@ -200,16 +200,23 @@ async def serve_async(
         add_to_server(server, runtime)
     except ImportError:
         pass
-    port = server.add_insecure_port(grpc_listen)
+    try:
+        port = server.add_insecure_port(grpc_listen)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise SystemExit(f"cannot listen for gRPC on {grpc_listen}")
+        raise SystemExit(f"error: cannot listen for gRPC on {grpc_listen} (address in use?)")
     await server.start()
 
     runner = web.AppRunner(_admin_app(runtime), access_log=None)
     await runner.setup()
     host, aport = _split_listen(admin_listen)
     site = web.TCPSite(runner, host, aport)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await server.stop(grace=0)
+        raise SystemExit(f"error: cannot listen for the admin port on {admin_listen}: {exc.strerror}") from None
     from .monitor import Monitor
 
     runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)

@@ -29,6 +29,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]"), int(port)))
+            return True
+        except OSError:
+            return False
+
+
 def envoy_binary() -> str:
     beside = Path(sys.executable).parent / "envoy"
     if beside.exists():
@@ -59,6 +69,7 @@ class Stack:
     workdir: Path | None = None
     demo_urls: dict[str, str] = field(default_factory=dict)
     sidecars: int = 1  # sidecar processes, each a separate endpoint of the ext_proc cluster
+    config_ports: bool = False  # use the config's listen addresses instead of free ports
     sidecar_grpc: list[str] = field(default_factory=list)
     sidecar_admin: list[str] = field(default_factory=list)
     envoy_admin: str = ""
@@ -85,10 +96,22 @@ class Stack:
         except config_mod.ConfigError as exc:
             raise StackError("invalid config:\n  " + "\n  ".join(exc.errors)) from None
         cfg = loaded.config
-        self.listen = self.listen or f"127.0.0.1:{free_port()}"
-        self.sidecar_grpc = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
-        self.sidecar_admin = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
-        self.envoy_admin = f"127.0.0.1:{free_port()}"
+        if self.config_ports:
+            from .server import worker_addresses
+
+            self.listen = self.listen or cfg.envoy.listen
+            self.sidecar_grpc, self.sidecar_admin = worker_addresses(
+                cfg.server.grpc_listen, cfg.server.admin_listen, self.sidecars
+            )
+            self.envoy_admin = cfg.envoy.admin_listen
+            for addr in [self.listen, self.envoy_admin, *self.sidecar_grpc, *self.sidecar_admin]:
+                if not port_free(addr):
+                    raise StackError(f"{addr} is already in use (is another model-router or Envoy running?)")
+        else:
+            self.listen = self.listen or f"127.0.0.1:{free_port()}"
+            self.sidecar_grpc = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
+            self.sidecar_admin = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
+            self.envoy_admin = f"127.0.0.1:{free_port()}"
         py = [sys.executable, "-m", "sidecar"]
         try:
             for b in cfg.backends:

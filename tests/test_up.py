@@ -44,16 +44,31 @@ def _closed(addr: str) -> bool:
         return True
 
 
-def test_up_serves_the_ab_template_and_stops_cleanly():
-    listen = f"127.0.0.1:{free_port()}"
+def template_on_free_ports(tmp_path):
+    """The ab-testing template with every fixed port moved to a free one."""
+    text = subprocess.run([sys.executable, "-m", "sidecar", "config", "generate", "--template", "ab-testing"],
+                          capture_output=True, text=True, check=True).stdout
+    for port in ("50051", "9190", "8080"):
+        assert f"127.0.0.1:{port}" in text
+        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")
+    text = text.replace("envoy:\n", f"envoy:\n  admin_listen: 127.0.0.1:{free_port()}\n", 1)
+    path = tmp_path / "ab.yaml"
+    path.write_text(text)
+    return path, yaml.safe_load(text)
+
+
+def test_up_serves_the_ab_template_and_stops_cleanly(tmp_path):
+    path, cfg = template_on_free_ports(tmp_path)
+    listen = cfg["envoy"]["listen"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "up", "--listen", listen],
+        [sys.executable, "-m", "sidecar", "up", "--config", str(path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     try:
         out = "".join(_wait_line(proc, r"Press Ctrl-C to stop"))
         assert f"http://{listen}" in out and "curl -s" in out
         admin = re.search(r"sidecar metrics:\s+http://(\S+)/metrics", out).group(1)
+        assert admin == cfg["server"]["admin_listen"]
         client = openai.OpenAI(base_url=f"http://{listen}/v1", api_key="user-1", max_retries=0)
         r = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
         assert r.model in ("llama-3.1-8b", "qwen3-8b")
@@ -71,6 +86,18 @@ def test_up_serves_the_ab_template_and_stops_cleanly():
         code = proc.wait(timeout=60)
     assert code == 0
     assert _closed(listen) and _closed(admin)
+
+
+def test_up_refuses_a_busy_port(tmp_path):
+    path, cfg = template_on_free_ports(tmp_path)
+    host, _, port = cfg["envoy"]["listen"].rpartition(":")
+    with socket.socket() as busy:
+        busy.bind((host, int(port)))
+        busy.listen()
+        out = subprocess.run([sys.executable, "-m", "sidecar", "up", "--config", str(path)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"{cfg['envoy']['listen']} is already in use" in out.stderr
 
 
 def test_envoy_config_lists_one_endpoint_per_worker(tmp_path):
