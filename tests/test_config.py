@@ -164,3 +164,13 @@ def test_config_is_immutable():
     cfg = parse(BASE, env={"KEY_B": "x"}).config
     with pytest.raises(Exception):
         cfg.backends[0].name = "z"
+
+
+def test_at_most_32_experiments_of_16_variants():
+    variants = ", ".join(f"{{id: v{j}, model: m1, weight: 1}}" for j in range(17))
+    errs = errors_of(BASE + f"model_experiments: [{{name: e, model: chat, variants: [{variants}]}}]\n")
+    assert errs == ["model_experiments[0].variants: at most 16 entries"]
+    exps = ", ".join(f"{{name: e{i}, model: c{i}, variants: [{{id: a, model: m1, weight: 1}}]}}" for i in range(33))
+    assert errors_of(BASE + f"model_experiments: [{exps}]\n") == ["model_experiments: at most 32 entries"]
+    exps = ", ".join(f"{{name: e{i}, model: c{i}, variants: [{{id: a, model: m1, weight: 1}}]}}" for i in range(32))
+    assert len(parse(BASE + f"model_experiments: [{exps}]\n", env={"KEY_B": "x"}).config.model_experiments) == 32
