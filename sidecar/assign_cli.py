@@ -26,7 +26,6 @@ import sys
 from datetime import datetime, timezone
 
 from .assign_service import Answer, InvalidArgument, UnknownExperiment, answer
-from .config import ConfigError, load
 
 
 def parse_time(text: str) -> float:
@@ -133,17 +132,11 @@ def render(a: Answer, key: str) -> str:
 
 def run(args) -> int:
     """Entry point for ``model-router experiments assign`` (see the module docstring)."""
-    try:
-        loaded = load(args.config)
-    except ConfigError as exc:
-        for e in exc.errors:
-            print(f"error: {e}", file=sys.stderr)
-        for w in exc.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        print(f"{args.config}: invalid ({len(exc.errors)} error(s))", file=sys.stderr)
+    from .cli import load_config
+
+    loaded = load_config(args.config)
+    if loaded is None:
         return 1
-    for w in loaded.warnings:
-        print(f"warning: {w}", file=sys.stderr)
     at = None
     if args.at is not None:
         try:

@@ -26,16 +26,31 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def cmd_serve(args) -> int:
+def load_config(path: str):
+    """Load a config, printing warnings; on failure print every problem and return None."""
     from .config import ConfigError, load
-    from .server import serve, worker_addresses
 
     try:
-        cfg = load(args.config).config
+        loaded = load(path)
     except ConfigError as exc:
         for e in exc.errors:
             print(f"error: {e}", file=sys.stderr)
+        for w in exc.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        print(f"{path}: invalid ({len(exc.errors)} error(s))", file=sys.stderr)
+        return None
+    for w in loaded.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return loaded
+
+
+def cmd_serve(args) -> int:
+    from .server import serve, worker_addresses
+
+    loaded = load_config(args.config)
+    if loaded is None:
         return 1
+    cfg = loaded.config
     workers = args.workers or cfg.server.workers
     grpc_addrs, admin_addrs = worker_addresses(
         args.grpc_listen or cfg.server.grpc_listen, args.admin_listen or cfg.server.admin_listen, workers
@@ -66,19 +81,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .config import ConfigError, load
-
-    try:
-        loaded = load(args.file)
-    except ConfigError as exc:
-        for e in exc.errors:
-            print(f"error: {e}", file=sys.stderr)
-        for w in exc.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        print(f"{args.file}: invalid ({len(exc.errors)} error(s))", file=sys.stderr)
+    loaded = load_config(args.file)
+    if loaded is None:
         return 1
-    for w in loaded.warnings:
-        print(f"warning: {w}", file=sys.stderr)
     print(f"{args.file}: valid" + (f" ({len(loaded.warnings)} warning(s))" if loaded.warnings else ""))
     return 0
 
@@ -96,14 +101,11 @@ def cmd_generate(args) -> int:
 def cmd_envoy_config(args) -> int:
     from . import envoyconf
     from .server import worker_addresses
-    from .config import ConfigError, load
 
-    try:
-        cfg = load(args.config).config
-    except ConfigError as exc:
-        for e in exc.errors:
-            print(f"error: {e}", file=sys.stderr)
+    loaded = load_config(args.config)
+    if loaded is None:
         return 1
+    cfg = loaded.config
     urls = _pairs(args.backend_url, "--backend-url")
     for i, b in enumerate(cfg.backends):
         if b.is_demo and b.name not in urls:
@@ -130,14 +132,10 @@ def cmd_up(args) -> int:
         path = str(Path(tmp.name) / "ab-testing.yaml")
         Path(path).write_text(template_text("ab-testing"), encoding="utf-8")
         print(f"no --config given: running the ab-testing template ({path})")
-    from .config import ConfigError, load
-
-    try:
-        cfg = load(path).config
-    except ConfigError as exc:
-        for e in exc.errors:
-            print(f"error: {e}", file=sys.stderr)
+    loaded = load_config(path)
+    if loaded is None:
         return 1
+    cfg = loaded.config
     logs = Path(tempfile.mkdtemp(prefix="model-router-logs-"))
     stack = Stack(Path(path), listen=args.listen, sidecars=cfg.server.workers, config_ports=True, workdir=logs)
     stopping = False

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -75,6 +76,25 @@ def _listen(value: str) -> str:
     return value
 
 
+def _check_model_name(v: str) -> str:
+    if not v or len(v) > 256:
+        raise ValueError("model names must be 1..256 characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+        raise ValueError("model names must not contain control characters")
+    return v
+
+
+def _check_name(v: str) -> str:
+    if not NAME_RE.match(v):
+        raise ValueError("must match [A-Za-z0-9._-]{1,64}")
+    return v
+
+
+# A backend, experiment or variant identifier, and a model name.
+Name = Annotated[str, AfterValidator(_check_name)]
+ModelName = Annotated[str, AfterValidator(_check_model_name)]
+
+
 class Server(_Model):
     grpc_listen: str = "127.0.0.1:50051"
     admin_listen: str = "127.0.0.1:9190"
@@ -109,10 +129,10 @@ BackendType = Literal["openai", "vllm", "sglang", "anthropic"]
 
 
 class Backend(_Model):
-    name: str
+    name: Name
     url: str
     type: BackendType = "openai"
-    models: list[str] | None = None
+    models: list[ModelName] | None = None
     internal: bool = False
     api_key: str | None = None
     weight: Annotated[int, Field(ge=1, le=MAX_WEIGHT)] = 1
@@ -126,8 +146,6 @@ class Backend(_Model):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must match [A-Za-z0-9._-]{1,64}")
         if v == RESERVED_BACKEND_NAME:
             raise ValueError(f"'{RESERVED_BACKEND_NAME}' is reserved for the sidecar's own cluster")
         return v
@@ -146,14 +164,6 @@ class Backend(_Model):
             raise ValueError(f"bad port: {exc}") from None
         if parts.query or parts.fragment:
             raise ValueError("must not carry a query or fragment")
-        return v
-
-    @field_validator("models")
-    @classmethod
-    def _models(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None:
-            for m in v:
-                _check_model_name(m)
         return v
 
     @property
@@ -179,12 +189,6 @@ class Backend(_Model):
         return "anthropic" if self.type == "anthropic" else "openai"
 
 
-def _check_model_name(v: str) -> str:
-    if not v or len(v) > 256:
-        raise ValueError("model names must be 1..256 characters")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
-        raise ValueError("model names must not contain control characters")
-    return v
 
 
 class ApiKey(_Model):
@@ -202,27 +206,15 @@ class ApiKey(_Model):
 
 
 class Variant(_Model):
-    id: str
-    model: str
+    id: Name
+    model: ModelName
     weight: Annotated[int, Field(ge=0, le=MAX_WEIGHT)]
     backends: list[str] | None = None
 
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must match [A-Za-z0-9._-]{1,64}")
-        return v
-
-    @field_validator("model")
-    @classmethod
-    def _model_name(cls, v: str) -> str:
-        return _check_model_name(v)
-
 
 class Experiment(_Model):
-    name: str
-    model: str
+    name: Name
+    model: ModelName
     sticky_key: str = "api_key"
     sticky_ttl: int | None = None
     fallback: Literal["within_variant", "cross_variant"] = "within_variant"
@@ -230,18 +222,6 @@ class Experiment(_Model):
     response_headers: bool = False
     hide_variant_models: bool = False
     variants: Annotated[list[Variant], Field(max_length=MAX_VARIANTS)]
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must match [A-Za-z0-9._-]{1,64}")
-        return v
-
-    @field_validator("model")
-    @classmethod
-    def _model_name(cls, v: str) -> str:
-        return _check_model_name(v)
 
     @field_validator("sticky_key")
     @classmethod
@@ -277,24 +257,12 @@ class Price(_Model):
 
 
 class ModelMetadata(_Model):
-    id: str
-    aliases: list[str] = []
+    id: ModelName
+    aliases: list[ModelName] = []
     pricing: Price | None = None
     backend_pricing: dict[str, Price] = {}
     reasoning_efforts: list[str] = []
     thinking_pattern: str | None = None
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str) -> str:
-        return _check_model_name(v)
-
-    @field_validator("aliases")
-    @classmethod
-    def _aliases(cls, v: list[str]) -> list[str]:
-        for a in v:
-            _check_model_name(a)
-        return v
 
     @property
     def supports_thinking(self) -> bool:

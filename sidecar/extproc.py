@@ -37,38 +37,23 @@ from .snapshot import BACKEND_HEADER
 log = logging.getLogger("model_router.extproc")
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_MODE_BODY_ONLY = pm.ProcessingMode(
-    request_header_mode=pm.ProcessingMode.SEND,
-    request_body_mode=pm.ProcessingMode.BUFFERED,
-    response_header_mode=pm.ProcessingMode.SKIP,
-    response_body_mode=pm.ProcessingMode.NONE,
-    request_trailer_mode=pm.ProcessingMode.SKIP,
-    response_trailer_mode=pm.ProcessingMode.SKIP,
-)
-_MODE_NOTHING_MORE = pm.ProcessingMode(
-    request_header_mode=pm.ProcessingMode.SEND,
-    request_body_mode=pm.ProcessingMode.NONE,
-    response_header_mode=pm.ProcessingMode.SKIP,
-    response_body_mode=pm.ProcessingMode.NONE,
-    request_trailer_mode=pm.ProcessingMode.SKIP,
-    response_trailer_mode=pm.ProcessingMode.SKIP,
-)
-_MODE_RESPONSE_BUFFERED = pm.ProcessingMode(
-    request_header_mode=pm.ProcessingMode.SEND,
-    request_body_mode=pm.ProcessingMode.NONE,
-    response_header_mode=pm.ProcessingMode.SEND,
-    response_body_mode=pm.ProcessingMode.BUFFERED,
-    request_trailer_mode=pm.ProcessingMode.SKIP,
-    response_trailer_mode=pm.ProcessingMode.SKIP,
-)
-_MODE_RESPONSE_STREAMED = pm.ProcessingMode(
-    request_header_mode=pm.ProcessingMode.SEND,
-    request_body_mode=pm.ProcessingMode.NONE,
-    response_header_mode=pm.ProcessingMode.SEND,
-    response_body_mode=pm.ProcessingMode.STREAMED,
-    request_trailer_mode=pm.ProcessingMode.SKIP,
-    response_trailer_mode=pm.ProcessingMode.SKIP,
-)
+
+
+def _mode(request_body: int, response_headers: int, response_body: int) -> pm.ProcessingMode:
+    """A full processing mode (an override replaces all six fields)."""
+    P = pm.ProcessingMode
+    return P(
+        request_header_mode=P.SEND, request_body_mode=request_body,
+        response_header_mode=response_headers, response_body_mode=response_body,
+        request_trailer_mode=P.SKIP, response_trailer_mode=P.SKIP,
+    )
+
+
+_P = pm.ProcessingMode
+_MODE_BODY_ONLY = _mode(_P.BUFFERED, _P.SKIP, _P.NONE)  # nothing in the response needs the sidecar
+_MODE_NOTHING_MORE = _mode(_P.NONE, _P.SKIP, _P.NONE)  # decided at request headers
+_MODE_RESPONSE_BUFFERED = _mode(_P.NONE, _P.SEND, _P.BUFFERED)  # rewrite a body of declared length
+_MODE_RESPONSE_STREAMED = _mode(_P.NONE, _P.SEND, _P.STREAMED)  # rewrite or read a stream
 
 
 _OWN_REPLY = struct_pb2.Struct()
