@@ -1,0 +1,256 @@
+"""Bounded soak: steady load through the real Envoy, watching the sidecar's memory.
+
+    .venv/bin/python bench/soak.py                 # 3 minutes
+    .venv/bin/python bench/soak.py --seconds 600   # longer
+
+Starts a ``sidecar.stack.Stack`` (two demo engines, one sidecar process, the
+real Envoy) with an active experiment (sticky by API key, ``response_model:
+client``, attribution headers), then a few client threads send buffered and
+streamed chat completions (with and without ``stream_options.include_usage``)
+and Anthropic messages, each with a caller key drawn from a large pool so
+per-caller state, if any, would grow (``--keys N`` cycles a pool of N keys
+instead). Every ``--interval`` seconds it samples
+the sidecar's VmRSS from ``/proc/<pid>/status`` and prints a row.
+
+Verdict: after the warm-up (``--warmup``, 30 s), the mean RSS of the last third of the
+samples is compared with the mean of the first third; the run is FLAT when the
+growth is within 10 % or 5 MB (whichever is larger). The least-squares slope
+of RSS per request served is printed with it: a short run can be FLAT by that
+rule and still show steady growth. Exit status 0 when flat
+and every request succeeded, 1 otherwise. The run stops by itself after
+``--seconds`` (also on Ctrl-C or SIGTERM) and stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import signal
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sidecar.stack import Stack  # noqa: E402
+
+CONFIG = """
+server: {max_body_bytes: 1048576}
+backends:
+  - {name: pool-a, url: "demo://", models: [model-a]}
+  - {name: pool-b, url: "demo://", models: [model-b]}
+model_experiments:
+  - name: soak
+    model: chat
+    sticky_key: api_key
+    response_model: client
+    response_headers: true
+    variants:
+      - {id: control, model: model-a, weight: 80}
+      - {id: candidate, model: model-b, weight: 20}
+"""
+
+MESSAGES = [{"role": "user", "content": "soak the router with a few words of text"}]
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class Load:
+    """Client threads with shared counters; each request is checked, not just sent."""
+
+    def __init__(self, url: str, threads: int, keys: int = 0) -> None:
+        self.url = url
+        self.keys = keys
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float = 30) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=timeout)
+
+    def total(self) -> int:
+        with self.lock:
+            return sum(self.counts.values())
+
+    def _record(self, kind: str, error: str | None) -> None:
+        with self.lock:
+            self.counts[kind] += 1
+            if error:
+                self.errors[f"{kind}: {error}"[:160]] += 1
+
+    def _run(self, seed: int) -> None:
+        kinds = itertools.cycle(["buffered", "streamed", "buffered", "streamed-usage", "anthropic", "buffered"])
+        if self.keys:
+            keys = itertools.cycle([f"soak-caller-{n}" for n in range(seed, self.keys, len(self.threads))] or ["k"])
+        else:
+            keys = (f"soak-caller-{seed}-{n}" for n in itertools.count())  # never repeats: worst case for caches
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            while not self.stop.is_set():
+                kind = next(kinds)
+                try:
+                    error = getattr(self, "_" + kind.replace("-", "_"))(http, next(keys))
+                except httpx.HTTPError as exc:
+                    error = repr(exc)
+                self._record(kind, error)
+
+    @staticmethod
+    def _buffered(http: httpx.Client, key: str) -> str | None:
+        r = http.post("/v1/chat/completions", json={"model": "chat", "messages": MESSAGES},
+                      headers={"authorization": f"Bearer {key}"})
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        if r.json()["model"] != "chat" or r.headers.get("x-continuum-experiment") != "soak":
+            return "not rewritten"
+        return None
+
+    @staticmethod
+    def _stream(http: httpx.Client, key: str, usage: bool) -> str | None:
+        body = {"model": "chat", "messages": MESSAGES, "stream": True}
+        if usage:
+            body["stream_options"] = {"include_usage": True}
+        with http.stream("POST", "/v1/chat/completions", json=body,
+                         headers={"authorization": f"Bearer {key}", "x-demo-events": "8"}) as r:
+            if r.status_code != 200:
+                return f"status {r.status_code}"
+            models, done, saw_usage = set(), False, False
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(line[6:])
+                models.add(chunk.get("model"))
+                saw_usage = saw_usage or chunk.get("usage") is not None
+        if not done or models != {"chat"} or saw_usage != usage:
+            return f"stream done={done} models={sorted(map(str, models))} usage={saw_usage}"
+        return None
+
+    def _streamed(self, http: httpx.Client, key: str) -> str | None:
+        return self._stream(http, key, usage=False)
+
+    def _streamed_usage(self, http: httpx.Client, key: str) -> str | None:
+        return self._stream(http, key, usage=True)
+
+    @staticmethod
+    def _anthropic(http: httpx.Client, key: str) -> str | None:
+        r = http.post("/anthropic/v1/messages", json={"model": "chat", "max_tokens": 16, "messages": MESSAGES},
+                      headers={"x-api-key": key, "anthropic-version": "2023-06-01"})
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        return None if r.json()["model"] == "chat" else "not rewritten"
+
+
+def verdict(samples: list[tuple[float, int, int]], warmup_s: float) -> tuple[bool, str]:
+    """(flat, explanation) from (t, requests, rss_kb) samples taken after the warm-up."""
+    after = [(n, rss) for t, n, rss in samples if t >= warmup_s]
+    steady = [rss for _, rss in after]
+    if len(steady) < 3:
+        return False, f"too few samples after warm-up ({len(steady)}); run longer"
+    # Least-squares slope of RSS against requests served, for the record.
+    mean_n = sum(n for n, _ in after) / len(after)
+    mean_r = sum(steady) / len(steady)
+    var = sum((n - mean_n) ** 2 for n, _ in after)
+    slope = sum((n - mean_n) * (r - mean_r) for n, r in after) / var * 1024 if var else 0.0
+    third = len(steady) // 3
+    first = sum(steady[:third]) / third
+    last = sum(steady[-third:]) / third
+    growth = last - first
+    allowed = max(0.10 * first, 5 * 1024)
+    flat = growth <= allowed
+    return flat, (f"first third {first / 1024:.1f} MB, last third {last / 1024:.1f} MB, growth {growth / 1024:+.1f} MB "
+                  f"({100 * growth / first:+.1f} %), allowed {allowed / 1024:.1f} MB; "
+                  f"slope {slope:+.0f} bytes of RSS per request")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=180, help="length of the soak (default 180)")
+    ap.add_argument("--threads", type=int, default=4, help="client threads (default 4)")
+    ap.add_argument("--keys", type=int, default=0,
+                    help="size of the caller-key pool; 0 (default): every request a new key")
+    ap.add_argument("--interval", type=float, default=10, help="seconds between RSS samples (default 10)")
+    ap.add_argument("--warmup", type=float, default=30, help="seconds of samples left out of the verdict (default 30)")
+    args = ap.parse_args(argv)
+
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    with tempfile.TemporaryDirectory(prefix="model-router-soak-") as tmp:
+        config = Path(tmp) / "config.yaml"
+        config.write_text(textwrap.dedent(CONFIG).lstrip())
+        stack = Stack(config, workdir=Path(tmp))
+        load = None
+        samples: list[tuple[float, int, int]] = []
+        try:
+            stack.start()
+            pid = stack._procs["sidecar-0"].popen.pid
+            print(f"soak: {args.seconds:.0f} s, {args.threads} client threads, "
+                  f"{args.keys or 'unique'} caller keys, sidecar pid {pid}, "
+                  f"sampling VmRSS every {args.interval:.0f} s", flush=True)
+            print(f"{'t (s)':>7} {'requests':>9} {'req/s':>7} {'errors':>7} {'sidecar RSS (MB)':>17}", flush=True)
+            load = Load(stack.url, args.threads, args.keys)
+            start = time.monotonic()
+            samples.append((0.0, 0, rss_kb(pid)))
+            print(f"{0:>7.0f} {0:>9} {'-':>7} {0:>7} {samples[-1][2] / 1024:>17.1f}", flush=True)
+            load.start()
+            next_sample = start + args.interval
+            end = start + args.seconds
+            while not stopping.is_set():
+                now = time.monotonic()
+                if now >= next_sample:
+                    if stack._procs["sidecar-0"].popen.poll() is not None:
+                        print("soak: the sidecar exited", flush=True)
+                        return 1
+                    total = load.total()
+                    t = now - start
+                    prev_t, prev_n, _ = samples[-1]
+                    samples.append((t, total, rss_kb(pid)))
+                    rate = (total - prev_n) / (t - prev_t) if t > prev_t else 0.0
+                    print(f"{t:>7.0f} {total:>9} {rate:>7.1f} {sum(load.errors.values()):>7} "
+                          f"{samples[-1][2] / 1024:>17.1f}", flush=True)
+                    next_sample += args.interval
+                if now >= end:
+                    break
+                time.sleep(min(0.2, max(0.0, min(next_sample, end) - now)))
+        finally:
+            if load is not None:
+                load.join()
+            stack.stop()
+        flat, why = verdict(samples, args.warmup)
+        errors = sum(load.errors.values()) if load else 0
+        print(f"requests: {dict(load.counts) if load else {}}; errors: {errors}")
+        for err, n in (load.errors.most_common(5) if load else []):
+            print(f"  {n} x {err}")
+        print(f"verdict: {'FLAT' if flat else 'GROWING'}: {why}")
+        return 0 if flat and errors == 0 and not stopping.is_set() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
