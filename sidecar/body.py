@@ -114,11 +114,11 @@ def top_level_spans(body: bytes, keys: set[str]) -> dict[str, list[tuple[int, in
     return spans
 
 
-def _fast_spans(body: bytes, values: dict[str, object]) -> dict[str, list[tuple[int, int]]] | None:
+def _fast_spans(body: bytes, values: dict[str, object], present: bool) -> dict[str, list[tuple[int, int]]] | None:
     """The common case without a scan: a lone literal ``"key"`` in a body with no
     ``\\u`` escapes can only be the top-level key (a key spelled with escapes, or
     another occurrence, sends the body to the full scan)."""
-    if len(values) != 1 or b"\\u" in body:
+    if not present or len(values) != 1 or b"\\u" in body:
         return None
     (key,) = values
     needle = orjson.dumps(key)
@@ -135,14 +135,16 @@ def _fast_spans(body: bytes, values: dict[str, object]) -> dict[str, list[tuple[
     return {key: [(pos, _value_end(body, pos))]}
 
 
-def set_top_level(body: bytes, values: dict[str, object]) -> bytes:
+def set_top_level(body: bytes, values: dict[str, object], parsed: dict | None = None) -> bytes:
     """Set top-level keys of a JSON object body, leaving every other byte as it was.
 
     Existing keys (every duplicate) get the new value in place; missing keys
     are inserted first. Numbers, spacing and key order elsewhere are untouched,
     so nothing the client sent is re-encoded.
     """
-    spans = _fast_spans(body, values) or top_level_spans(body, set(values))
+    # The shortcut needs to know the key is at the top level (``parsed`` says so).
+    present = parsed is not None and all(k in parsed for k in values)
+    spans = _fast_spans(body, values, present) or top_level_spans(body, set(values))
     edits = [(s, e, orjson.dumps(values[k])) for k, lst in spans.items() for s, e in lst]
     missing = [k for k in values if k not in spans]
     if missing:

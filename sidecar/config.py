@@ -355,6 +355,8 @@ def _path(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif part == "":
+            out += '[""]'
         else:
             out += ("." if out else "") + str(part)
     return out or "(root)"
@@ -417,17 +419,25 @@ def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"(root): not valid YAML: {exc}"]) from None
+        # Only the position and the problem: the offending line may hold a secret.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError([f"(root): not valid YAML{where}: {problem}"]) from None
+    except RecursionError:
+        raise ConfigError(["(root): nested too deeply"]) from None
     if not isinstance(raw, dict):
         raise ConfigError(["(root): must be a mapping of sections"])
     errors: list[str] = []
-    raw = _substitute(raw, (), errors, env)
-    if errors:
-        raise ConfigError(errors)
     try:
+        raw = _substitute(raw, (), errors, env)
+        if errors:
+            raise ConfigError(errors)
         config = Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError([f"{_path(e['loc'])}: {_message(e)}" for e in exc.errors()]) from None
+    except RecursionError:
+        raise ConfigError(["(root): nested too deeply"]) from None
     errors, warnings = check(config)
     if errors:
         raise ConfigError(errors, warnings)

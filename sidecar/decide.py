@@ -296,7 +296,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
                 edits["stream_options"] = opts
                 plan["strip_injected_usage"] = True
         if edits:
-            new_body = set_top_level(req.body, edits)
+            new_body = set_top_level(req.body, edits, data)
     elif parsed.form_field is not None:
         if parsed.model != upstream:
             new_body = replace_field(req.body, parsed.form_field, upstream)
@@ -336,8 +336,15 @@ def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str
     return (), ()
 
 
-def passthrough(snap: Snapshot, path: str) -> Route | Reply:
-    """Paths that carry no model go to the default backend untouched."""
+def passthrough(snap: Snapshot, path: str, caller: Caller) -> Route | Reply:
+    """Paths the router does not decide go to the default backend untouched.
+
+    A key limited to some models or backends may not use them: the router
+    cannot tell which model such a request reaches.
+    """
+    key = caller.key
+    if key is not None and (key.allowed_models is not None or key.allowed_backends is not None):
+        return errors.error("model_not_permitted", "This API key may only use the model endpoints.")
     if snap.default_backend is None:
         return errors.error("no_backend", "No backend is configured for this path.")
     backend = snap.backends[snap.default_backend]

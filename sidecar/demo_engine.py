@@ -276,6 +276,8 @@ class _Engine:
         headers: dict[str, str] = {}
         for key, value in request.headers.items():
             lower = key.lower()
+            # Bytes that are not UTF-8 arrive as surrogate escapes; keep the log encodable.
+            value = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
             headers[lower] = f"{headers[lower]}, {value}" if lower in headers else value
         parsed: Any = None
         json_error = False

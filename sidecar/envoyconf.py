@@ -177,6 +177,11 @@ def bootstrap(
         "stat_prefix": "model_router",
         "codec_type": "AUTO",
         "use_remote_address": True,
+        # Decide on the path a backend will see: dot segments resolved, slashes
+        # merged, escaped slashes decoded (the sidecar decodes the rest).
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "early_header_mutation_extensions": [
             {
                 "name": "envoy.http.early_header_mutation.header_mutation",

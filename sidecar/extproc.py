@@ -30,7 +30,7 @@ from envoy.type.v3 import http_status_pb2
 
 from . import decide, errors, listing, metrics, websearch
 from .errors import Reply
-from .ingress import lookup
+from .ingress import canonical, lookup
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, rewrite_json_body
 from .snapshot import BACKEND_HEADER
 
@@ -96,14 +96,17 @@ class _Stream:
     """Per-request state kept for the life of one ext_proc stream."""
 
     __slots__ = (
-        "start", "ingress", "headers", "path", "caller", "route", "rewriter", "buffer", "buffered", "status", "counted",
+        "start", "snap", "ingress", "headers", "raw_path", "path", "caller", "route",
+        "rewriter", "buffer", "buffered", "status", "counted",
     )
 
     def __init__(self) -> None:
         self.start = time.monotonic()
+        self.snap = None
         self.ingress = None
         self.headers: dict[str, str] = {}
         self.path = "/"
+        self.raw_path = "/"
         self.caller = None
         self.route: decide.Route | None = None
         self.rewriter: SSERewriter | None = None
@@ -130,7 +133,7 @@ class Processor(pbg.ExternalProcessorServicer):
                     resp = self._request_body(st, req.request_body)
                     if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
-                        deadline = self.runtime.snapshot.config.web_search.deadline_s + 5
+                        deadline = st.snap.config.web_search.deadline_s + 5
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
                         resp = await self._online(st, req.request_body.body)
                     yield resp
@@ -150,9 +153,11 @@ class Processor(pbg.ExternalProcessorServicer):
     # ------------------------------------------------------------------ request
 
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        snap = self.runtime.snapshot
+        # One config decides the whole request, even if a reload lands mid-upload.
+        st.snap = snap = self.runtime.snapshot
         st.headers = h = _headers(msg)
-        st.path = h.get(":path", "/")
+        st.raw_path = h.get(":path", "/")
+        st.path = canonical(st.raw_path)
         st.ingress = ingress = lookup(st.path)
         family = ingress.family if ingress else ("anthropic" if st.path.startswith("/anthropic/") else "openai")
         caller = decide.authenticate(snap, h, family)
@@ -163,9 +168,10 @@ class Processor(pbg.ExternalProcessorServicer):
             metrics.DECISIONS.labels("listing").inc()
             return immediate(listing.answer(snap, st.path, h.get(":method", "GET"), caller.key))
         if ingress is None:
-            route = decide.passthrough(snap, st.path)
+            route = decide.passthrough(snap, st.path, caller)
             if isinstance(route, Reply):
                 return self._refuse(route)
+            self._canonical_path(st, route)
             metrics.DECISIONS.labels("passthrough").inc()
             return pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=self._route_common(route)),
@@ -192,7 +198,7 @@ class Processor(pbg.ExternalProcessorServicer):
         return self._decide(st, msg.body, phase="body")
 
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
-        snap = self.runtime.snapshot
+        snap = st.snap
         if len(body) > snap.max_body_bytes:
             return self._refuse(errors.error(
                 "too_large", f"The request body is larger than the limit of {snap.max_body_bytes} bytes.",
@@ -212,6 +218,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if isinstance(route, Reply):
             return self._refuse(route)
         metrics.DECISIONS.labels("routed").inc()
+        self._canonical_path(st, route)
         st.route = route
         if route.plan is not None and route.plan.suffix is not None:
             metrics.VARIANT_REQUESTS.labels(route.plan.suffix, "true" if route.plan.suffix_applied else "false").inc()
@@ -231,7 +238,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         route = st.route
-        snap = self.runtime.snapshot
+        snap = st.snap
         request = orjson.loads(route.body if route.body is not None else body)
         headers = {"content-type": "application/json", **dict(route.set_headers)}
         reply = await websearch.run(
@@ -241,6 +248,12 @@ class Processor(pbg.ExternalProcessorServicer):
         if reply.status >= 500:
             self.runtime.report_response(route.backend.name, reply.status)
         return immediate(replace(reply, headers=reply.headers + route.plan.headers))
+
+    @staticmethod
+    def _canonical_path(st: _Stream, route: decide.Route) -> None:
+        """Send upstream the spelling the decision was made on."""
+        if route.path is None and st.raw_path != st.path:
+            route.path = st.path
 
     def _route_common(self, route: decide.Route) -> pb.CommonResponse:
         sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]

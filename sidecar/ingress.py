@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import unquote
 
 Family = Literal["openai", "anthropic"]
 BodyKind = Literal["json", "multipart", "query"]
@@ -61,3 +62,30 @@ def lookup(path: str) -> Ingress | None:
     if q >= 0:
         path = path[:q]
     return INGRESSES.get(path)
+
+
+def canonical(path: str) -> str:
+    """The path as a backend will understand it: percent-escapes decoded, dot
+    segments resolved, repeated slashes merged (query string kept as sent).
+
+    Decisions are made on this form, and it is what goes upstream, so a
+    spelling such as ``/v1/chat/%63ompletions`` cannot reach a backend's chat
+    endpoint without the decision that endpoint gets.
+    """
+    base, sep, query = path.partition("?")
+    if "%" not in base and "//" not in base and "/." not in base:
+        return path
+    decoded = unquote(base)
+    parts: list[str] = []
+    for seg in decoded.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(seg)
+    out = "/" + "/".join(parts)
+    if decoded.endswith("/") and parts:
+        out += "/"
+    return out + sep + query

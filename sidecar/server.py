@@ -84,9 +84,9 @@ class Runtime:
         try:
             loaded = config_mod.load(self.path)
             new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
-        except (config_mod.ConfigError, ValueError) as exc:
+        except Exception as exc:  # any failure rejects the edit; the watcher must live on
             metrics.CONFIG_RELOADS.labels("failure").inc()
-            problems = exc.errors if isinstance(exc, config_mod.ConfigError) else [str(exc)]
+            problems = exc.errors if isinstance(exc, config_mod.ConfigError) else [type(exc).__name__]
             log.error("config reload rejected, the previous config keeps serving: %s", "; ".join(problems))
             return False
         for w in loaded.warnings:
@@ -106,7 +106,8 @@ def _admin_app(runtime: Runtime) -> web.Application:
         given = request.headers.get("authorization", "")
         if given.lower().startswith("bearer "):
             given = given[7:].strip()
-        return hmac.compare_digest(given.encode(), token.encode())
+        # Header bytes that are not UTF-8 arrive as surrogate escapes; compare raw bytes.
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
 
     async def healthz(_request):
         return web.json_response({"status": "ok"})
@@ -233,7 +234,10 @@ async def serve_async(
     async def watch() -> None:
         while not stop.is_set():
             await asyncio.sleep(runtime.snapshot.config.server.reload_interval_ms / 1000)
-            runtime.reload_if_changed()
+            try:
+                runtime.reload_if_changed()
+            except Exception:
+                log.exception("config watcher")
 
     watcher = asyncio.create_task(watch())
     await stop.wait()

@@ -38,6 +38,8 @@ def test_set_top_level_changes_only_the_named_keys(obj, model, present):
     for raw in encodings(obj):
         out = set_top_level(raw, {"model": model})
         assert json.loads(out) == dict(obj, model=model)
+        # With the parsed object at hand the top-level shortcut may apply: same bytes.
+        assert set_top_level(raw, {"model": model}, obj) == out
         if present:
             # Every byte outside the value is the client's own.
             (s, e), = top_level_spans(raw, {"model"})["model"]

@@ -178,8 +178,25 @@ def test_authenticate(snap):
 
 
 def test_passthrough_goes_to_first_enabled_backend(snap):
-    r = passthrough(snap, "/v1/files")
+    r = passthrough(snap, "/v1/files", Caller("k-all", snap.keys["k-all"]))
     assert r.backend.name == "a" and r.path is None
+    # A key limited to some models or backends cannot reach unjudged endpoints.
+    for key in ("k-chat", "k-a"):
+        assert refusal(passthrough(snap, "/tokenize", Caller(key, snap.keys[key])))[0] == 403
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("/v1/chat/%63ompletions", "/v1/chat/completions"),
+    ("//v1//chat/./completions?x=%2F", "/v1/chat/completions?x=%2F"),
+    ("/v1/x/../chat/completions", "/v1/chat/completions"),
+    ("/v1%2Fchat%2Fcompletions", "/v1/chat/completions"),
+    ("/anthropic/v1/messages", "/anthropic/v1/messages"),
+    ("/v1/models/a%2Fb", "/v1/models/a/b"),
+])
+def test_canonical_paths(raw, expected):
+    from sidecar.ingress import canonical
+
+    assert canonical(raw) == expected
 
 
 def test_every_ingress_row_is_reachable():

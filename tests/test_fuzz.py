@@ -368,10 +368,6 @@ def test_set_top_level_round_trips(obj, values):
         assert out == b"".join(expected) + raw[last:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "body._fast_spans takes a lone literal \"key\" followed by ':' for the top-level key even when the "
-    "top level lacks it and the literal is a nested key: set_top_level overwrites the nested value and "
-    "never inserts the top-level key"))
 def test_set_top_level_inserts_a_key_that_only_exists_nested():
     """A key missing at the top level is inserted there, whatever nested objects contain."""
     raw = b'{"model": "m", "tools": [{"parameters": {"properties": {"stream_options": {"type": "string"}}}}]}'
@@ -391,10 +387,6 @@ model_experiments:
 """, env={}).config)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "through decide: with an experiment arm that resolves to the client's own model (a metadata alias of "
-    "it), a streamed chat request whose tool schema has a 'stream_options' property gets that property "
-    "replaced by {'include_usage': true} and no top-level stream_options (set_top_level fast path)"))
 def test_decide_never_edits_a_nested_stream_options():
     """The injected ``stream_options`` goes to the top level and leaves the client's tool schemas alone."""
     body = (b'{"model": "chat", "stream": true, "messages": [], "tools": [{"type": "function", "function": '
@@ -529,9 +521,6 @@ def test_config_parse_of_arbitrary_text(text):
         assert exc.errors and all(isinstance(e, str) and ": " in e for e in exc.errors)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "config._path drops an empty-string key from the path: an error under the top-level key '' is "
-    "reported as 'grpc_listen: ...' instead of naming its real location"))
 def test_config_error_path_keeps_an_empty_key():
     """An error's path names its real location, even under an empty key."""
     with pytest.raises(ConfigError) as info:
@@ -539,9 +528,6 @@ def test_config_error_path_keeps_an_empty_key():
     assert all(not e.startswith("grpc_listen") for e in info.value.errors), info.value.errors
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason=(
-    "config.parse lets RecursionError escape (yaml.safe_load / _substitute recurse) for a YAML document "
-    "nested ~1000 levels deep, instead of raising ConfigError"))
 def test_config_parse_of_deeply_nested_yaml_is_a_config_error():
     """Pathologically nested YAML is a ConfigError."""
     with pytest.raises(ConfigError):
