@@ -280,8 +280,10 @@ class Monitor(_Model):
     # A metrics snapshot older than this makes no statement (no :nitro ranking).
     freshness_s: Annotated[float, Field(ge=0.1, le=3600)] = 10.0
     timeout_s: Annotated[float, Field(ge=0.05, le=60)] = 2.0
-    # A backend that answered 5xx or reset is held out this long.
-    passive_holdout_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    # A backend that answered 5xx or reset is held out this long. Off (0) by
+    # default: seeing every response costs Envoy one more ext_proc message per
+    # request, about 10% of throughput (docs/performance.md).
+    passive_holdout_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
     # Engine-saturation gate: a backend with more waiting requests is not admitted.
     max_waiting: Annotated[int, Field(ge=0)] | None = None
 

@@ -276,3 +276,13 @@ def test_sidecar_down_fails_closed_with_json_503(stack):
         stack.start_sidecar()
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "chat", "messages": []})
     assert r.status_code == 200
+
+
+def test_a_plain_request_costs_two_ext_proc_messages(keyed):
+    """Nothing in the response needs the sidecar: request headers and body only."""
+    before = envoy_stat(keyed, "ext_proc.stream_msgs_sent")
+    for _ in range(5):
+        r = httpx.post(keyed.url + "/v1/chat/completions", json={"model": "m-alpha", "messages": []},
+                       headers={"authorization": "Bearer sk-team-a"})
+        assert r.status_code == 200
+    assert envoy_stat(keyed, "ext_proc.stream_msgs_sent") - before == 10
