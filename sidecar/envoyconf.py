@@ -59,6 +59,10 @@ def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
             }
         },
     }
+    # Hosts inside a backend that keep failing are ejected by Envoy itself.
+    cluster["outlier_detection"] = {
+        "consecutive_5xx": 5, "interval": "5s", "base_ejection_time": "15s", "max_ejection_percent": 50,
+    }
     if not _is_ip(host):
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if tls:
