@@ -1,0 +1,109 @@
+"""A minimal Envoy ext_proc: rewrites ``model`` to one fixed value, no decision logic.
+
+    .venv/bin/python bench/minimal_extproc.py --listen 127.0.0.1:50061 --backend nginx --model llama-3.1-8b
+
+The floor of body-based routing, for comparison with the sidecar: grpc.aio on
+uvloop, two gRPC messages per request.
+
+- Request headers (SEND): answered with no mutation and a ``mode_override``
+  that keeps the body BUFFERED and turns the response phases off.
+- Request body (BUFFERED): answered with the routing header
+  (``x-model-router-backend: <backend>``), the body with its top-level
+  ``model`` replaced, the new ``content-length`` and ``clear_route_cache``.
+
+Any other phase Envoy sends is answered with an empty response. SIGINT or
+SIGTERM stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import grpc
+import orjson
+import uvloop
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+
+BACKEND_HEADER = "x-model-router-backend"
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_MODE = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND,
+    request_body_mode=pm.ProcessingMode.BUFFERED,
+    response_header_mode=pm.ProcessingMode.SKIP,
+    response_body_mode=pm.ProcessingMode.NONE,
+    request_trailer_mode=pm.ProcessingMode.SKIP,
+    response_trailer_mode=pm.ProcessingMode.SKIP,
+)
+
+
+class MinimalProcessor(pbg.ExternalProcessorServicer):
+    """Answers every stream with the fixed backend and the rewritten model."""
+
+    def __init__(self, backend: str, model: str) -> None:
+        self.backend = backend.encode()
+        self.model = model
+        self.headers_response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE)
+
+    def body_response(self, body: bytes) -> pb.ProcessingResponse:
+        data = orjson.loads(body)
+        data["model"] = self.model
+        new = orjson.dumps(data)
+        common = pb.CommonResponse(clear_route_cache=True)
+        for name, value in ((BACKEND_HEADER, self.backend), ("content-length", str(len(new)).encode())):
+            opt = common.header_mutation.set_headers.add()
+            opt.header.key = name
+            opt.header.raw_value = value
+            opt.append_action = _OVERWRITE
+        common.body_mutation.body = new
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    async def Process(self, request_iterator, context):
+        async for req in request_iterator:
+            kind = req.WhichOneof("request")
+            if kind == "request_headers":
+                yield self.headers_response
+            elif kind == "request_body":
+                yield self.body_response(req.request_body.body)
+            elif kind == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif kind == "response_body":
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+            elif kind == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif kind == "response_trailers":
+                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+async def serve(listen: str, backend: str, model: str) -> None:
+    """Serve on ``listen`` until SIGINT or SIGTERM."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.http2.max_pings_without_data", 0)])
+    pbg.add_ExternalProcessorServicer_to_server(MinimalProcessor(backend, model), server)
+    if server.add_insecure_port(listen) == 0:
+        raise SystemExit(f"cannot listen on {listen}")
+    await server.start()
+    print(f"minimal ext_proc ready on {listen}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", required=True, help="HOST:PORT for the gRPC server")
+    parser.add_argument("--backend", required=True, help="Envoy cluster name to route every request to")
+    parser.add_argument("--model", required=True, help="model name written into every request body")
+    args = parser.parse_args()
+    uvloop.run(serve(args.listen, args.backend, args.model))
+
+
+if __name__ == "__main__":
+    main()
