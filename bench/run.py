@@ -851,7 +851,7 @@ def main() -> int:
     runner.started = time.monotonic()
     runner.deadline = runner.started + args.max_minutes * 60
     info = machine()
-    print(f"decision cost: bench/decision.py ...", file=sys.stderr, flush=True)
+    print("decision cost: bench/decision.py ...", file=sys.stderr, flush=True)
     runner.decision = run_decision()
 
     tmp = tempfile.TemporaryDirectory(prefix="model-router-bench-")

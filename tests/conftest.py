@@ -7,8 +7,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.stack import Stack
+from sidecar.stack import Stack, StackError
 
 
 def write_config(directory: Path, text: str, name: str = "config.yaml") -> Path:
@@ -23,10 +24,18 @@ def stack_factory(tmp_path_factory):
     stacks: list[Stack] = []
 
     def make(config_text: str, **kwargs) -> Stack:
-        d = tmp_path_factory.mktemp("stack")
-        s = Stack(write_config(d, config_text), workdir=d, **kwargs)
-        stacks.append(s)
-        return s.start()
+        # Free ports are picked by binding and releasing them; on a busy machine
+        # another process can take one in between, so a start may be retried.
+        for attempt in range(3):
+            d = tmp_path_factory.mktemp("stack")
+            s = Stack(write_config(d, config_text), workdir=d, **kwargs)
+            stacks.append(s)
+            try:
+                return s.start()
+            except StackError as exc:
+                text = str(exc).lower()
+                if not ("already in use" in text or "cannot listen" in text) or attempt == 2:
+                    raise
 
     yield make
     for s in stacks:
@@ -50,3 +59,17 @@ def envoy_stat(stack: Stack, name: str) -> int:
         if key.endswith(name) and value.strip().isdigit():
             total += int(value)
     return total
+
+
+def sidecar_metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def metric(stack: Stack, name: str, **labels) -> float:
+    """A metric summed over every sidecar process."""
+    return sum(sidecar_metric(text, name, **labels) for text in stack.metrics_text())

@@ -13,13 +13,11 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.assignment import assign
 from sidecar.body import set_top_level
-from sidecar.stack import StackError
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat
+from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
 
 pytestmark = pytest.mark.integration
 
@@ -65,32 +63,9 @@ ARM = {"control": ("pool-a", "model-a"), "candidate": ("pool-b", "model-b")}
 AUTH = {"authorization": f"Bearer {GOOD_KEY}"}
 
 
-def start_stack(stack_factory, config_text: str, **kwargs):
-    """``stack_factory`` with up to three attempts: the stack picks free ports by
-    binding and releasing them, and on a busy machine another process can take
-    one in between (EADDRINUSE at start)."""
-    for attempt in range(3):
-        try:
-            return stack_factory(config_text, **kwargs)
-        except StackError as exc:
-            text = str(exc).lower()
-            if not ("already in use" in text or "cannot listen" in text) or attempt == 2:
-                raise
-
-
 @pytest.fixture(scope="module")
 def stack(stack_factory):
-    return start_stack(stack_factory, CONFIG)
-
-
-def metric(stack, name: str, **labels) -> float:
-    total = 0.0
-    for text in stack.metrics_text():
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-    return total
+    return stack_factory(CONFIG)
 
 
 @pytest.fixture()
@@ -666,7 +641,7 @@ api_keys:
 
 @pytest.fixture(scope="module")
 def plain_stack(stack_factory):
-    return start_stack(stack_factory, NO_TOKEN_CONFIG)
+    return stack_factory(NO_TOKEN_CONFIG)
 
 
 def test_admin_endpoints_without_a_configured_token_refuse_everyone(plain_stack):

@@ -10,11 +10,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.assignment import assign
 
-from .conftest import clear_demo_requests, demo_requests
+from .conftest import clear_demo_requests, demo_requests, metric, sidecar_metric
 
 pytestmark = pytest.mark.integration
 
@@ -47,20 +46,6 @@ model_experiments:
 def tolerance(p: float, n: int) -> float:
     """4.5 standard errors of a proportion p estimated from n samples."""
     return 4.5 * math.sqrt(p * (1 - p) / n)
-
-
-def sidecar_metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
-def metric(stack, name: str, **labels) -> float:
-    """A metric summed over every sidecar process."""
-    return sum(sidecar_metric(text, name, **labels) for text in stack.metrics_text())
 
 
 @pytest.fixture(scope="module")

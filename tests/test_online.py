@@ -13,7 +13,7 @@ from aiohttp import web
 from sidecar.stack import free_port
 
 from .conftest import clear_demo_requests, demo_requests
-from .test_experiments import metric
+from .conftest import metric
 
 pytestmark = pytest.mark.integration
 

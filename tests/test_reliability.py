@@ -21,42 +21,17 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from sidecar.assignment import assign
-from sidecar.stack import StackError, free_port
+from sidecar.stack import free_port
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat
+from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
 
 pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
-
-
-def metric(stack, name: str, **labels) -> float:
-    """A sidecar metric summed over every sidecar process and matching sample."""
-    total = 0.0
-    for text in stack.metrics_text():
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-    return total
-
-
-def start_stack(stack_factory, config_text: str, **kwargs):
-    """``stack_factory`` with up to three attempts: the stack picks free ports by
-    binding and releasing them, and on a busy machine another process can take
-    one in between (EADDRINUSE at start)."""
-    for attempt in range(3):
-        try:
-            return stack_factory(config_text, **kwargs)
-        except StackError as exc:
-            text = str(exc).lower()
-            if not ("already in use" in text or "cannot listen" in text) or attempt == 2:
-                raise
 
 
 def is_openai_error(r: httpx.Response) -> bool:
@@ -179,7 +154,7 @@ def backend_log_is_clean(stack) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def kill_stack(stack_factory):
-    return start_stack(stack_factory, KILL_CONFIG)
+    return stack_factory(KILL_CONFIG)
 
 
 def test_sidecar_killed_under_load_fails_closed_and_stays_sticky(kill_stack, capsys):
@@ -325,7 +300,7 @@ def slow_stack(stack_factory):
     that sleeps far past ``server.message_timeout_ms`` (no sidecar process)."""
     stub = StubServer(SlowProcessor(delay=MESSAGE_TIMEOUT_MS / 1000 * 4)).start()
     try:
-        stack = start_stack(stack_factory, f"""
+        stack = stack_factory(f"""
 server: {{grpc_listen: "{stub.addr}", message_timeout_ms: {MESSAGE_TIMEOUT_MS}}}
 backends:
   - {{name: pool-a, url: "demo://", models: [model-a]}}
@@ -403,7 +378,7 @@ SHAPE_V2 = ("exp-v2", "second", "model-b", "[pool-b] model-b")
 
 @pytest.fixture(scope="module")
 def reload_stack(stack_factory):
-    return start_stack(stack_factory, RELOAD_V1)
+    return stack_factory(RELOAD_V1)
 
 
 def reload_load(url: str, stop: threading.Event, out: list, max_requests: int, max_seconds: float) -> None:
@@ -533,7 +508,7 @@ def test_request_straddling_a_reload_is_decided_by_one_config(stack_factory):
     the reload to config B (an experiment rewriting the response): the answer
     is wholly A's (``chat`` served literally by pool-b) or wholly B's (arm
     model on pool-a, attribution headers, ``model`` rewritten to ``chat``)."""
-    stack = start_stack(stack_factory, STRADDLE_A)
+    stack = stack_factory(STRADDLE_A)
     body = b'{"model": "chat", "messages": []}'
     host, _, port = stack.listen.rpartition(":")
     answered = envoy_stat(stack, "ext_proc.stream_msgs_received")
