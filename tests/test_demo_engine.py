@@ -562,7 +562,6 @@ def test_status_header_injects_openai_error(engine: RunningEngine) -> None:
 
 def test_events_and_interval_headers_shape_the_stream(engine: RunningEngine) -> None:
     client = engine.openai()
-    started = time.monotonic()
     chunks = list(
         client.chat.completions.create(
             model="m-one",
@@ -572,12 +571,10 @@ def test_events_and_interval_headers_shape_the_stream(engine: RunningEngine) -> 
             extra_headers={"x-demo-events": "12", "x-demo-interval-ms": "10"},
         )
     )
-    elapsed = time.monotonic() - started
     content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(content) == 12
     assert "".join(content).split(" ")[:4] == ["[alpha]", "m-one:", "hi", "[alpha]"]
     assert chunks[-1].usage.completion_tokens == 12
-    assert elapsed >= 0.14
 
     with engine.anthropic().messages.stream(
         model="m-two",
