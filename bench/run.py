@@ -41,7 +41,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ import _http  # noqa: E402
 from sidecar import config as config_mod  # noqa: E402
 from sidecar import envoyconf  # noqa: E402
 from sidecar.stack import Stack, envoy_binary, free_port  # noqa: E402
+from sidecar.stack import wait_http as stack_wait_http, wait_tcp as stack_wait_tcp  # noqa: E402
 
 KEYS = 1000
 BACKEND_HEADER = "x-model-router-backend"
@@ -186,32 +186,13 @@ class Procs:
 
 
 def wait_http(url: str, deadline: float, alive=None) -> None:
-    while True:
-        if alive is not None:
-            alive()
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise BenchError(f"not ready: {url}")
-        time.sleep(0.05)
+    if not stack_wait_http(url, deadline, alive):
+        raise BenchError(f"not ready: {url}")
 
 
 def wait_tcp(addr: str, deadline: float, alive=None) -> None:
-    host, _, port = addr.rpartition(":")
-    while True:
-        if alive is not None:
-            alive()
-        try:
-            with socket.create_connection((host, int(port)), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise BenchError(f"nothing listening on {addr}") from None
-            time.sleep(0.05)
+    if not stack_wait_tcp(addr, deadline, alive):
+        raise BenchError(f"nothing listening on {addr}")
 
 
 def nginx_binary() -> str | None:

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from . import config as config_mod
 from . import envoyconf
@@ -245,26 +246,41 @@ class Stack:
             raise StackError(f"{name} exited with code {p.returncode} during start:\n{tail}")
 
     def _wait_http(self, name: str, url: str, deadline: float) -> None:
-        while True:
-            self._check_alive(name)
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise StackError(f"{name} not ready at {url}:\n{self.log(name)[-4000:]}")
-            time.sleep(0.05)
+        if not wait_http(url, deadline, lambda: self._check_alive(name)):
+            raise StackError(f"{name} not ready at {url}:\n{self.log(name)[-4000:]}")
 
     def _wait_tcp(self, name: str, addr: str, deadline: float) -> None:
-        host, _, port = addr.rpartition(":")
-        while True:
-            self._check_alive(name)
-            try:
-                with socket.create_connection((host, int(port)), timeout=1):
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise StackError(f"{name} not listening on {addr}:\n{self.log(name)[-4000:]}") from None
-                time.sleep(0.05)
+        if not wait_tcp(addr, deadline, lambda: self._check_alive(name)):
+            raise StackError(f"{name} not listening on {addr}:\n{self.log(name)[-4000:]}")
+
+
+def wait_http(url: str, deadline: float, alive: Callable[[], None] | None = None) -> bool:
+    """Poll until ``url`` answers 200 (True) or ``deadline`` passes (False);
+    ``alive`` runs before each try and may raise to give up early."""
+    while True:
+        if alive is not None:
+            alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def wait_tcp(addr: str, deadline: float, alive: Callable[[], None] | None = None) -> bool:
+    """Poll until something accepts connections on ``addr`` (True) or ``deadline`` passes."""
+    host, _, port = addr.rpartition(":")
+    while True:
+        if alive is not None:
+            alive()
+        try:
+            with socket.create_connection((host, int(port)), timeout=1):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
