@@ -31,7 +31,9 @@ from pydantic import (
     field_validator,
 )
 
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Matched against the whole string (fullmatch): "$" alone would accept a
+# trailing newline, which a YAML block scalar adds silently.
+NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # The Envoy cluster that carries the ext_proc gRPC stream; no backend may take it.
 RESERVED_BACKEND_NAME = "model-router-sidecar"
 MAX_EXPERIMENTS = 32
@@ -40,7 +42,7 @@ MAX_WEIGHT = 1_000_000
 TTL_MIN = 60
 TTL_MAX = 365 * 86400
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_TTL_RE = re.compile(r"^([0-9]+)([smhd]?)$")
+_TTL_RE = re.compile(r"([0-9]+)([smhd]?)")
 _TTL_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -63,7 +65,7 @@ def parse_duration(value: Any) -> int:
         raise ValueError("must be a whole number with an optional s, m, h or d unit")
     if isinstance(value, int):
         return value
-    m = _TTL_RE.match(str(value).strip())
+    m = _TTL_RE.fullmatch(str(value).strip())
     if not m:
         raise ValueError("must be a whole number with an optional s, m, h or d unit")
     return int(m.group(1)) * _TTL_UNIT[m.group(2)]
@@ -85,8 +87,8 @@ def _check_model_name(v: str) -> str:
 
 
 def _check_name(v: str) -> str:
-    if not NAME_RE.match(v):
-        raise ValueError("must match [A-Za-z0-9._-]{1,64}")
+    if not NAME_RE.fullmatch(v):
+        raise ValueError(f"must be 1 to 64 of A-Z a-z 0-9 . _ - (got {v!r})")
     return v
 
 
@@ -193,15 +195,18 @@ class Backend(_Model):
 
 class ApiKey(_Model):
     key: str
-    id: str
-    allowed_models: list[str] | None = None
-    allowed_backends: list[str] | None = None
+    # Safe to log and to publish in metadata and usage records; the key never is.
+    id: Name
+    allowed_models: list[ModelName] | None = None
+    allowed_backends: list[Name] | None = None
 
     @field_validator("key")
     @classmethod
     def _key(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must not be blank")
+        if v != v.strip() or any(ord(c) < 0x21 or ord(c) == 0x7F for c in v):
+            raise ValueError("must not contain spaces or control characters (a client cannot send them in a header)")
         return v
 
 
@@ -209,7 +214,7 @@ class Variant(_Model):
     id: Name
     model: ModelName
     weight: Annotated[int, Field(ge=0, le=MAX_WEIGHT)]
-    backends: list[str] | None = None
+    backends: list[Name] | None = None
 
 
 class Experiment(_Model):
@@ -336,7 +341,7 @@ class Config(_Model):
     proxy: Proxy = Proxy()
     backends: Annotated[list[Backend], Field(min_length=1)]
     api_keys: list[ApiKey] | None = None
-    model_aliases: dict[str, str] = {}
+    model_aliases: dict[ModelName, ModelName] = {}
     model_metadata: list[ModelMetadata] = []
     monitor: Monitor = Monitor()
     web_search: WebSearch | None = None
@@ -357,8 +362,10 @@ def _path(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part == "":
-            out += '[""]'
+        elif part == "[key]":
+            out += " (the key)"
+        elif part == "" or not NAME_RE.fullmatch(str(part)):
+            out += f"[{str(part)!r}]"
         else:
             out += ("." if out else "") + str(part)
     return out or "(root)"
@@ -479,11 +486,6 @@ def check(config: Config) -> tuple[list[str], list[str]]:
                     errors.append(f"api_keys[{i}].allowed_backends[{j}]: unknown backend '{name}'")
 
     for alias, target in config.model_aliases.items():
-        try:
-            _check_model_name(alias)
-            _check_model_name(target)
-        except ValueError as exc:
-            errors.append(f"model_aliases.{alias}: {exc}")
         if alias == target:
             errors.append(f"model_aliases.{alias}: an alias cannot point at itself")
 

@@ -54,7 +54,7 @@ def test_missing_env_names_path():
         ),
         (
             "model_experiments: [{name: 'bad name', model: chat, variants: [{id: a, model: m1, weight: 1}]}]",
-            "model_experiments[0].name: must match [A-Za-z0-9._-]{1,64}",
+            "model_experiments[0].name: must be 1 to 64 of A-Z a-z 0-9 . _ - (got 'bad name')",
         ),
         (
             "model_experiments: [{name: e, model: chat, sticky_key: cookie, variants: [{id: a, model: m1, weight: 1}]}]",
@@ -114,7 +114,7 @@ backends:
     errs = errors_of(text)
     assert "backends[0].name: 'model-router-sidecar' is reserved for the sidecar's own cluster" in errs
     assert "backends[1].url: must be an http:// or https:// URL, or demo://" in errs
-    assert "backends[2].name: must match [A-Za-z0-9._-]{1,64}" in errs
+    assert "backends[2].name: must be 1 to 64 of A-Z a-z 0-9 . _ - (got 'bad/name')" in errs
 
 
 def test_duplicate_backend_and_control_characters():
@@ -174,3 +174,47 @@ def test_at_most_32_experiments_of_16_variants():
     assert errors_of(BASE + f"model_experiments: [{exps}]\n") == ["model_experiments: at most 32 entries"]
     exps = ", ".join(f"{{name: e{i}, model: c{i}, variants: [{{id: a, model: m1, weight: 1}}]}}" for i in range(32))
     assert len(parse(BASE + f"model_experiments: [{exps}]\n", env={"KEY_B": "x"}).config.model_experiments) == 32
+
+
+# A YAML block scalar ("name: |") ends its value with a newline; every name the
+# router later puts in a header, a metric label or an Envoy cluster name must
+# reject it at load, not fail each request at run time.
+_EXP = "model_experiments: [{name: %s, model: chat, variants: [{id: %s, model: m1, weight: 1}]}]"
+
+
+@pytest.mark.parametrize(
+    "snippet, path",
+    [
+        (_EXP % ('"e1\\n"', "v1"), "model_experiments[0].name"),
+        (_EXP % ("e1", '"v1\\n"'), "model_experiments[0].variants[0].id"),
+        ('model_experiments: [{name: e1, model: "chat\\n", variants: [{id: v1, model: m1, weight: 1}]}]',
+         "model_experiments[0].model"),
+        ('model_experiments: [{name: e1, model: chat, variants: [{id: v1, model: m1, weight: 1, backends: ["a\\n"]}]}]',
+         "model_experiments[0].variants[0].backends[0]"),
+        ('api_keys: [{key: k1, id: "team-a\\n"}]', "api_keys[0].id"),
+        ('api_keys: [{key: "k1\\n", id: team-a}]', "api_keys[0].key"),
+        ('api_keys: [{key: k1, id: team-a, allowed_models: ["m1\\n"]}]', "api_keys[0].allowed_models[0]"),
+        ('api_keys: [{key: k1, id: team-a, allowed_backends: ["a\\n"]}]', "api_keys[0].allowed_backends[0]"),
+        ('model_aliases: {"fast\\n": m1}', "model_aliases['fast\\n'] (the key)"),
+        ('model_aliases: {fast: "m1\\n"}', "model_aliases.fast"),
+        ('model_metadata: [{id: "m1\\n"}]', "model_metadata[0].id"),
+    ],
+)
+def test_names_with_a_trailing_newline_are_rejected(snippet, path):
+    errs = errors_of(BASE + snippet)
+    assert any(e.startswith(path + ":") for e in errs), errs
+
+
+def test_backend_name_with_a_trailing_newline_is_rejected():
+    errs = errors_of('backends: [{name: "a\\n", url: "http://127.0.0.1:1"}]')
+    assert errs == ["backends[0].name: must be 1 to 64 of A-Z a-z 0-9 . _ - (got 'a\\n')"]
+
+
+def test_config_validate_command_refuses_a_block_scalar_name(tmp_path, capsys):
+    from sidecar.cli import main
+
+    path = tmp_path / "router.yaml"
+    path.write_text(BASE.replace("KEY_B", "HOME") + "model_experiments:\n  - name: |\n      e1\n    model: chat\n"
+                    "    variants: [{id: v1, model: m1, weight: 1}]\n")
+    assert main(["config", "validate", str(path)]) == 1
+    assert "model_experiments[0].name" in capsys.readouterr().err
