@@ -9,15 +9,19 @@ from urllib.parse import parse_qsl
 
 import orjson
 
+from .errors import Kind
+
 MAX_MODEL_NAME = 256
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class BodyError(Exception):
-    """The request body cannot be used; ``kind`` names the error reply."""
+    """The request body cannot be used; ``kind`` names the error reply and
+    ``param`` the request field it is about (None: the body as a whole)."""
 
-    def __init__(self, kind: str, message: str):
-        self.kind = kind
+    def __init__(self, kind: Kind, message: str, param: str | None = "model"):
+        self.kind: Kind = kind
+        self.param = param
         super().__init__(message)
 
 
@@ -27,21 +31,21 @@ def check_model_name(model: Any) -> str:
     if not model.strip():
         raise BodyError("missing_model", "The 'model' field must not be empty.")
     if len(model) > MAX_MODEL_NAME:
-        raise BodyError("invalid_request", f"The 'model' field is longer than {MAX_MODEL_NAME} characters.")
+        raise BodyError("invalid_model", f"The 'model' field is longer than {MAX_MODEL_NAME} characters.")
     if _CONTROL.search(model):
-        raise BodyError("invalid_request", "The 'model' field must not contain control characters.")
+        raise BodyError("invalid_model", "The 'model' field must not contain control characters.")
     return model
 
 
 def parse_json(body: bytes) -> dict:
     if not body.strip():
-        raise BodyError("invalid_json", "The request body is empty; a JSON object is required.")
+        raise BodyError("invalid_json", "The request body is empty; a JSON object is required.", param=None)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise BodyError("invalid_json", "The request body is not valid JSON.") from None
+        raise BodyError("invalid_json", "The request body is not valid JSON.", param=None) from None
     if not isinstance(data, dict):
-        raise BodyError("invalid_json", "The request body must be a JSON object.")
+        raise BodyError("invalid_json", "The request body must be a JSON object.", param=None)
     return data
 
 
@@ -162,6 +166,29 @@ def set_top_level(body: bytes, values: dict[str, object], parsed: dict | None = 
     return b"".join(out)
 
 
+def named_models(path: str, body: bytes, content_type: str) -> list[str]:
+    """Every model a request outside the ingress table names, read leniently:
+    the ``model`` query parameters, a JSON object's top-level ``model`` and a
+    multipart ``model`` field. What cannot be read names nothing."""
+    q = path.find("?")
+    names = [v for k, v in parse_qsl(path[q + 1:], keep_blank_values=True) if k == "model"] if q >= 0 else []
+    if body.lstrip()[:1] == b"{":
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("model"), str):
+            names.append(data["model"])
+    elif content_type.lower().startswith("multipart/form-data"):
+        try:
+            f = multipart_fields(body, multipart_boundary(content_type), {"model"}).get("model")
+        except BodyError:
+            f = None
+        if f is not None:
+            names.append(f.value.decode("utf-8", "replace"))
+    return names
+
+
 def query_model(path: str) -> str | None:
     q = path.find("?")
     if q < 0:
@@ -195,13 +222,13 @@ class FormField:
 
 def multipart_boundary(content_type: str) -> bytes:
     if not content_type.lower().startswith("multipart/form-data"):
-        raise BodyError("invalid_request", "Expected a multipart/form-data body.")
+        raise BodyError("invalid_multipart", "Expected a multipart/form-data body.", param=None)
     m = _BOUNDARY_RE.search(content_type)
     if not m:
-        raise BodyError("invalid_request", "The multipart/form-data content type has no boundary.")
+        raise BodyError("invalid_multipart", "The multipart/form-data content type has no boundary.", param=None)
     boundary = (m.group(1) or m.group(2)).encode("latin-1")
     if not 1 <= len(boundary) <= 70:
-        raise BodyError("invalid_request", "The multipart boundary must be 1 to 70 characters.")
+        raise BodyError("invalid_multipart", "The multipart boundary must be 1 to 70 characters.", param=None)
     return boundary
 
 
@@ -210,22 +237,22 @@ def multipart_fields(body: bytes, boundary: bytes, wanted: set[str]) -> dict[str
     delim = b"--" + boundary
     pos = body.find(delim)
     if pos < 0:
-        raise BodyError("invalid_request", "The multipart body does not contain its boundary.")
+        raise BodyError("invalid_multipart", "The multipart body does not contain its boundary.", param=None)
     found: dict[str, FormField] = {}
     while True:
         pos += len(delim)
         if body[pos:pos + 2] == b"--":
             return found
         if body[pos:pos + 2] != b"\r\n":
-            raise BodyError("invalid_request", "The multipart body is malformed.")
+            raise BodyError("invalid_multipart", "The multipart body is malformed.", param=None)
         head_end = body.find(b"\r\n\r\n", pos + 2)
         if head_end < 0:
-            raise BodyError("invalid_request", "A multipart part has no header terminator.")
+            raise BodyError("invalid_multipart", "A multipart part has no header terminator.", param=None)
         headers = body[pos + 2:head_end]
         start = head_end + 4
         nxt = body.find(b"\r\n" + delim, start)
         if nxt < 0:
-            raise BodyError("invalid_request", "The multipart body is not terminated.")
+            raise BodyError("invalid_multipart", "The multipart body is not terminated.", param=None)
         for line in headers.split(b"\r\n"):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-disposition":
@@ -245,7 +272,7 @@ def multipart_model(body: bytes, content_type: str) -> tuple[str, FormField]:
     try:
         value = f.value.decode("utf-8")
     except UnicodeDecodeError:
-        raise BodyError("invalid_request", "The 'model' field is not valid UTF-8.") from None
+        raise BodyError("invalid_model", "The 'model' field is not valid UTF-8.") from None
     return check_model_name(value), f
 
 

@@ -120,6 +120,10 @@ class Envoy(_Model):
     admin_listen: str = "127.0.0.1:9901"
     concurrency: Annotated[int, Field(ge=1, le=64)] = 2
     upstream_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 300
+    # Envoy's limits for a request's headers (its own defaults). The sidecar
+    # answers 431 when its routing headers would push a request past them.
+    max_request_headers: Annotated[int, Field(ge=32, le=1000)] = 100
+    max_request_headers_kb: Annotated[int, Field(ge=8, le=8192)] = 60
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -236,6 +240,8 @@ class Experiment(_Model):
         if v.startswith("header:"):
             name = v[len("header:"):]
             if re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", name):
+                if name.lower().startswith(("x-model-router-", "x-continuum-")):
+                    raise ValueError(f"'{name}' is in the router's own header namespace, which clients cannot send")
                 return "header:" + name.lower()
         raise ValueError("must be api_key, user, none or header:<name>")
 
@@ -333,6 +339,10 @@ class VariantSuffixes(_Model):
 class Proxy(_Model):
     variant_suffixes: VariantSuffixes = VariantSuffixes()
     selection: Literal["round_robin", "weighted", "random"] = "round_robin"
+    # Paths outside the ingress table and the listings go to this backend
+    # untouched; unset, they are refused with 404 unknown_endpoint. A model
+    # named in their body or query still meets the reservation rule.
+    passthrough_backend: Name | None = None
 
 
 class Config(_Model):
@@ -470,6 +480,14 @@ def check(config: Config) -> tuple[list[str], list[str]]:
         if b.name in backends:
             errors.append(f"backends[{i}].name: duplicate backend name '{b.name}'")
         backends[b.name] = b
+
+    passthrough = config.proxy.passthrough_backend
+    if passthrough is not None:
+        b = backends.get(passthrough)
+        if b is None:
+            errors.append(f"proxy.passthrough_backend: unknown backend '{passthrough}'")
+        elif not b.enabled:
+            errors.append(f"proxy.passthrough_backend: backend '{passthrough}' is disabled")
 
     if config.api_keys is not None:
         seen_keys: dict[str, int] = {}

@@ -169,7 +169,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     try:
         parsed = _parse(req)
     except BodyError as exc:
-        return errors.error(exc.kind, str(exc), family, param="model" if "model" in str(exc) else None)
+        return errors.error(exc.kind, str(exc), family, param=exc.param)
 
     # 1. model_aliases, on the ingresses that honour them; then a variant
     #    suffix, on the ingresses that read them (the exact name wins).
@@ -187,9 +187,9 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
 
     # A reserved variant model named outside its experiment is answered exactly
     # like a model the router does not have.
-    reserved_by = snap.reserved.get(client_model)
-    if reserved_by is not None:
-        return errors.model_not_found(parsed.model, family, reserved_by=reserved_by)
+    reserving = reserved_by(snap, client_model)
+    if reserving is not None:
+        return errors.model_not_found(parsed.model, family, reserved_by=reserving)
 
     # 3. The experiment picks a variant.
     allowed: set[str] | None = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
@@ -336,18 +336,38 @@ def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str
     return (), ()
 
 
-def passthrough(snap: Snapshot, path: str, caller: Caller) -> Route | Reply:
-    """Paths the router does not decide go to the default backend untouched.
+def reserved_by(snap: Snapshot, name: str) -> str | None:
+    """The hidden experiment that reserves ``name`` under any reading the
+    router or an engine may give it: as sent, through ``model_aliases``, or
+    as the base of a suffixed name."""
+    for candidate in (name, snap.aliases.get(name, name)):
+        exp = snap.reserved.get(candidate) or snap.reserved.get(candidate.rpartition(":")[0])
+        if exp is not None:
+            return exp
+    return None
 
-    A key limited to some models or backends may not use them: the router
-    cannot tell which model such a request reaches.
+
+def passthrough(snap: Snapshot, path: str, caller: Caller, family: str, models: list[str]) -> Route | Reply:
+    """A path outside the ingress table: refused unless ``proxy.passthrough_backend``
+    is set, and then sent there untouched, after the gates a model endpoint has.
+
+    A key limited to some models or backends may not use it: the router
+    cannot tell which model such a request reaches. A model the request names
+    (``models``, read from its query and body) that an experiment reserves is
+    refused exactly like an unknown model.
     """
+    if snap.passthrough_backend is None:
+        return errors.error(
+            "unknown_endpoint", f"The path '{path.partition('?')[0]}' is not served by this router.", family
+        )
     key = caller.key
     if key is not None and (key.allowed_models is not None or key.allowed_backends is not None):
-        return errors.error("model_not_permitted", "This API key may only use the model endpoints.")
-    if snap.default_backend is None:
-        return errors.error("no_backend", "No backend is configured for this path.")
-    backend = snap.backends[snap.default_backend]
+        return errors.error("model_not_permitted", "This API key may only use the model endpoints.", family)
+    for model in models:
+        exp = reserved_by(snap, model)
+        if exp is not None:
+            return errors.model_not_found(model, family, reserved_by=exp)
+    backend = snap.backends[snap.passthrough_backend]
     set_headers, remove_headers = upstream_auth(snap, backend)
     new_path = backend.base_path + path if backend.base_path else None
     return Route(backend, "", "", path=new_path, set_headers=set_headers, remove_headers=remove_headers)

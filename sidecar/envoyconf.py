@@ -2,8 +2,9 @@
 
 The layout:
 
-- one public listener whose HTTP connection manager strips any client copy
-  of the routing header before any filter runs, calls the sidecar through
+- one public listener whose HTTP connection manager strips every client
+  header in the router's namespaces (``x-model-router-*``, ``x-continuum-*``)
+  before any filter runs, calls the sidecar through
   ``envoy.filters.http.ext_proc`` and routes on the sidecar's
   ``x-model-router-backend`` header (``cluster_header``);
 - one cluster per backend, named after it (TLS with SNI for https URLs);
@@ -21,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from .config import RESERVED_BACKEND_NAME, Config
-from .snapshot import BACKEND_HEADER, _split
+from .snapshot import ATTRIBUTION_HEADERS, BACKEND_HEADER, ROUTER_HEADER_PREFIXES, _split
 
 _T = "type.googleapis.com/"
 
@@ -191,16 +192,24 @@ def bootstrap(
                 "name": "envoy.http.early_header_mutation.header_mutation",
                 "typed_config": {
                     "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-                    "mutations": [{"remove": BACKEND_HEADER}],
+                    "mutations": [
+                        {"remove_on_match": {"key_matcher": {"prefix": prefix}}} for prefix in ROUTER_HEADER_PREFIXES
+                    ],
                 },
             }
         ],
         "upgrade_configs": [{"upgrade_type": "websocket"}],
+        # The sidecar knows these limits too: it answers 431 rather than send a
+        # header mutation that would take a request past them.
+        "common_http_protocol_options": {"max_headers_count": config.envoy.max_request_headers},
+        "max_request_headers_kb": config.envoy.max_request_headers_kb,
         "stream_idle_timeout": f"{timeout_s}s",
         "request_timeout": "0s",
         "route_config": {
             "name": "model_router",
             "request_headers_to_remove": [BACKEND_HEADER],
+            # An upstream cannot forge the router's attribution either.
+            "response_headers_to_remove": list(ATTRIBUTION_HEADERS),
             "virtual_hosts": [
                 {
                     "name": "all",

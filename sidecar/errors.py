@@ -7,19 +7,33 @@ kind (for example an unknown model and a reserved one) are byte-identical.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import orjson
 
-# kind -> (status, OpenAI error type, OpenAI code, Anthropic error type)
-_KINDS: dict[str, tuple[int, str, str | None, str]] = {
-    "invalid_request": (400, "invalid_request_error", None, "invalid_request_error"),
+Kind = Literal[
+    "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
+    "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
+    "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
+    "gateway_timeout", "internal",
+]
+
+# kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
+# Every kind has a code: clients and dashboards branch on it, never on the message.
+_KINDS: dict[Kind, tuple[int, str, str, str]] = {
     "invalid_json": (400, "invalid_request_error", "invalid_json", "invalid_request_error"),
     "missing_model": (400, "invalid_request_error", "missing_model", "invalid_request_error"),
+    "invalid_model": (400, "invalid_request_error", "invalid_model", "invalid_request_error"),
+    "invalid_multipart": (400, "invalid_request_error", "invalid_multipart", "invalid_request_error"),
     "unauthorized": (401, "authentication_error", "invalid_api_key", "authentication_error"),
     "model_not_permitted": (403, "permission_error", "model_not_permitted", "permission_error"),
     "model_not_found": (404, "invalid_request_error", "model_not_found", "not_found_error"),
+    "unknown_endpoint": (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
     "unsupported_model_variant": (404, "invalid_request_error", "unsupported_model_variant", "not_found_error"),
+    "method_not_allowed": (405, "invalid_request_error", "method_not_allowed", "invalid_request_error"),
     "too_large": (413, "invalid_request_error", "request_too_large", "request_too_large"),
+    "unsupported_encoding": (415, "invalid_request_error", "unsupported_content_encoding", "invalid_request_error"),
+    "headers_too_large": (431, "invalid_request_error", "request_headers_too_large", "invalid_request_error"),
     "no_backend": (503, "server_error", "no_backend_available", "overloaded_error"),
     "bad_gateway": (502, "server_error", "upstream_error", "api_error"),
     "gateway_timeout": (504, "server_error", "upstream_timeout", "api_error"),
@@ -40,7 +54,7 @@ class Reply:
     content_type = "application/json"
 
 
-def error(kind: str, message: str, family: str = "openai", param: str | None = None) -> Reply:
+def error(kind: Kind, message: str, family: str = "openai", param: str | None = None) -> Reply:
     status, otype, code, atype = _KINDS[kind]
     if family == "anthropic":
         body = {"type": "error", "error": {"type": atype, "message": message}}

@@ -30,7 +30,9 @@ from envoy.type.v3 import http_status_pb2
 
 from . import decide, errors, listing, metrics, websearch
 from .errors import Reply
-from .ingress import canonical, lookup
+from .body import named_models
+from .ingress import canonical, family_for, lookup
+from .ingress import listing_path as listing_of
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, rewrite_json_body
 from .snapshot import BACKEND_HEADER
 
@@ -96,15 +98,19 @@ class _Stream:
     """Per-request state kept for the life of one ext_proc stream."""
 
     __slots__ = (
-        "start", "snap", "ingress", "headers", "raw_path", "path", "caller", "route",
-        "rewriter", "buffer", "buffered", "status", "counted",
+        "start", "snap", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
+        "raw_path", "path", "caller", "route", "rewriter", "buffer", "buffered", "status", "counted",
     )
 
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.snap = None
         self.ingress = None
+        self.family = "openai"
+        self.passthrough = False
         self.headers: dict[str, str] = {}
+        self.header_count = 0
+        self.header_bytes = 0
         self.path = "/"
         self.raw_path = "/"
         self.caller = None
@@ -156,54 +162,81 @@ class Processor(pbg.ExternalProcessorServicer):
         # One config decides the whole request, even if a reload lands mid-upload.
         st.snap = snap = self.runtime.snapshot
         st.headers = h = _headers(msg)
+        st.header_count = len(msg.headers.headers)
+        st.header_bytes = sum(len(x.key) + len(x.raw_value or x.value) for x in msg.headers.headers)
         st.raw_path = h.get(":path", "/")
         st.path = canonical(st.raw_path)
         st.ingress = ingress = lookup(st.path)
-        family = ingress.family if ingress else ("anthropic" if st.path.startswith("/anthropic/") else "openai")
+        st.family = family = family_for(st.path)
         caller = decide.authenticate(snap, h, family)
         if isinstance(caller, Reply):
             return self._refuse(caller)
         st.caller = caller
-        if ingress is None and listing.is_listing(st.path):
-            metrics.DECISIONS.labels("listing").inc()
-            return immediate(listing.answer(snap, st.path, h.get(":method", "GET"), caller.key))
-        if ingress is None:
-            route = decide.passthrough(snap, st.path, caller)
-            if isinstance(route, Reply):
-                return self._refuse(route)
-            self._canonical_path(st, route)
-            metrics.DECISIONS.labels("passthrough").inc()
-            return pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=self._route_common(route)),
-                mode_override=_MODE_NOTHING_MORE,
-            )
+        encoding = h.get("content-encoding", "identity").strip().lower()
+        if not msg.end_of_stream and encoding not in ("", "identity"):
+            # A body the router cannot read is a body it cannot judge.
+            return self._refuse(errors.error(
+                "unsupported_encoding", f"Request bodies with content-encoding '{encoding}' are not accepted.", family
+            ))
         length = h.get("content-length")
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
             return self._refuse(errors.error(
                 "too_large", f"The request body is larger than the limit of {snap.max_body_bytes} bytes.", family
             ))
+        if ingress is None:
+            listing_path = listing_of(st.path)
+            if listing_path is not None:
+                metrics.DECISIONS.labels("listing").inc()
+                return immediate(listing.answer(snap, listing_path, h.get(":method", "GET"), caller.key))
+            st.passthrough = True
+            if msg.end_of_stream:
+                return self._pass(st, b"", phase="headers")
+            # Refuse early what no body can change (passthrough off, a restricted key).
+            early = decide.passthrough(snap, st.path, caller, family, [])
+            if isinstance(early, Reply):
+                return self._refuse(early)
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_ONLY)
         if ingress.body == "query" or msg.end_of_stream:
             # No body will follow: decide now.
             return self._decide(st, b"", phase="headers")
-        resp = pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=header_mutation(remove=(BACKEND_HEADER,)))
-            )
-        )
+        resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
         if not snap.response_phase:
             resp.mode_override.CopyFrom(_MODE_BODY_ONLY)
         return resp
 
     def _request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if st.passthrough:
+            return self._pass(st, msg.body, phase="body")
         return self._decide(st, msg.body, phase="body")
+
+    def _pass(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
+        """A path outside the ingress table, judged on the models it names."""
+        if len(body) > st.snap.max_body_bytes:
+            return self._refuse(self._too_large(st))
+        models = named_models(st.path, body, st.headers.get("content-type", ""))
+        route = decide.passthrough(st.snap, st.path, st.caller, st.family, models)
+        if isinstance(route, Reply):
+            return self._refuse(route)
+        self._canonical_path(st, route)
+        common = self._route_common(st, route)
+        if isinstance(common, Reply):
+            return self._refuse(common)
+        metrics.DECISIONS.labels("passthrough").inc()
+        if phase == "headers":
+            return pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(response=common), mode_override=_MODE_NOTHING_MORE
+            )
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    @staticmethod
+    def _too_large(st: _Stream) -> Reply:
+        limit = st.snap.max_body_bytes
+        return errors.error("too_large", f"The request body is larger than the limit of {limit} bytes.", st.family)
 
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         snap = st.snap
         if len(body) > snap.max_body_bytes:
-            return self._refuse(errors.error(
-                "too_large", f"The request body is larger than the limit of {snap.max_body_bytes} bytes.",
-                st.ingress.family,
-            ))
+            return self._refuse(self._too_large(st))
         self._counter += 1
         req = decide.Request(
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
@@ -214,21 +247,19 @@ class Processor(pbg.ExternalProcessorServicer):
             route = decide.decide(snap, req)
         except Exception:
             log.exception("decision failed for %s", st.path.partition("?")[0])
-            route = errors.error("internal", "The router could not process this request.", st.ingress.family)
+            route = errors.error("internal", "The router could not process this request.", st.family)
         if isinstance(route, Reply):
             return self._refuse(route)
-        metrics.DECISIONS.labels("routed").inc()
         self._canonical_path(st, route)
+        common = self._route_common(st, route)
+        if isinstance(common, Reply):
+            return self._refuse(common)
+        metrics.DECISIONS.labels("routed").inc()
         st.route = route
         if route.plan is not None and route.plan.suffix is not None:
             metrics.VARIANT_REQUESTS.labels(route.plan.suffix, "true" if route.plan.suffix_applied else "false").inc()
-        common = self._route_common(route)
         if route.body is not None:
             common.body_mutation.body = route.body
-            opt = common.header_mutation.set_headers.add()
-            opt.header.key = "content-length"
-            opt.header.raw_value = str(len(route.body)).encode()
-            opt.append_action = _OVERWRITE
         if phase == "headers":
             resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
             if route.plan is None:
@@ -255,13 +286,31 @@ class Processor(pbg.ExternalProcessorServicer):
         if route.path is None and st.raw_path != st.path:
             route.path = st.path
 
-    def _route_common(self, route: decide.Route) -> pb.CommonResponse:
+    def _route_common(self, st: _Stream, route: decide.Route) -> pb.CommonResponse | Reply:
+        """The request-header mutation that carries a route, or a 431 when it
+        would take the request past Envoy's header limits (Envoy would answer
+        that mutation with a 503 that blames the server)."""
         sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]
         if route.path is not None:
             sets.append((":path", route.path))
+        if route.body is not None:
+            sets.append(("content-length", str(len(route.body))))
         if route.plan is not None and route.plan.needs_body:
             # The response body must be readable to rewrite it or count its tokens.
             sets.append(("accept-encoding", "identity"))
+        limits = st.snap.config.envoy
+        count, size = st.header_count, st.header_bytes
+        for k, v in sets:
+            old = st.headers.get(k)
+            count += old is None
+            size += len(k) + len(v) if old is None else len(v) - len(old)
+        if count > limits.max_request_headers or size > limits.max_request_headers_kb * 1024:
+            return errors.error(
+                "headers_too_large",
+                f"The request carries too many or too large headers (the limit is {limits.max_request_headers} "
+                f"headers and {limits.max_request_headers_kb} KiB).",
+                st.family,
+            )
         return pb.CommonResponse(header_mutation=header_mutation(sets, route.remove_headers), clear_route_cache=True)
 
     def _refuse(self, reply: Reply) -> pb.ProcessingResponse:

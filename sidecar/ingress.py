@@ -2,6 +2,12 @@
 
 Every per-path difference in behaviour is a column here, so the request path
 reads one row instead of testing the path in many places.
+
+A row is found by any spelling an engine would serve as that endpoint: a
+trailing slash, another letter case, and the row's ``spellings`` (for
+example ``/v1/messages``, which Anthropic-compatible engines serve as
+Messages). Whatever the spelling, the request goes upstream on the row's
+``upstream_path``, so no spelling reaches an endpoint without its decision.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class Ingress:
     counted: bool = True
     # Response carries token usage worth reading.
     usage: bool = True
+    # Other paths that name this endpoint.
+    spellings: tuple[str, ...] = ()
 
 
 _ROWS = [
@@ -39,10 +47,10 @@ _ROWS = [
     Ingress("/v1/embeddings", "openai", "json", "/v1/embeddings"),
     Ingress("/v1/responses", "openai", "json", "/v1/responses", aliases=True),
     Ingress("/v1/responses/compact", "openai", "json", "/v1/responses/compact", aliases=True),
-    Ingress("/anthropic/v1/messages", "anthropic", "json", "/v1/messages", aliases=True),
+    Ingress("/anthropic/v1/messages", "anthropic", "json", "/v1/messages", aliases=True, spellings=("/v1/messages",)),
     Ingress(
         "/anthropic/v1/messages/count_tokens", "anthropic", "json", "/v1/messages/count_tokens",
-        aliases=True, counted=False, usage=False,
+        aliases=True, counted=False, usage=False, spellings=("/v1/messages/count_tokens",),
     ),
     Ingress("/v1/images/generations", "openai", "json", "/v1/images/generations"),
     Ingress("/v1/images/edits", "openai", "multipart", "/v1/images/edits"),
@@ -54,14 +62,39 @@ _ROWS = [
 ]
 
 INGRESSES: dict[str, Ingress] = {row.path: row for row in _ROWS}
+_BY_SPELLING: dict[str, Ingress] = {p.lower(): row for row in _ROWS for p in (row.path, *row.spellings)}
+
+# Listings the sidecar answers itself; ``/{id}`` below them names one model.
+_LISTINGS = ("/anthropic/v1/models", "/v1/models")
+
+
+def _base(path: str) -> str:
+    """The path without its query string and trailing slashes."""
+    return path.partition("?")[0].rstrip("/") or "/"
 
 
 def lookup(path: str) -> Ingress | None:
-    """The ingress for a request path (query string ignored), or None to pass through."""
-    q = path.find("?")
-    if q >= 0:
-        path = path[:q]
-    return INGRESSES.get(path)
+    """The ingress for a (canonical) request path, or None when it is not a model endpoint."""
+    return _BY_SPELLING.get(_base(path).lower())
+
+
+def listing_path(path: str) -> str | None:
+    """The listing a path asks for, spelled as the table spells it (the model
+    id of ``/v1/models/{id}`` keeps its case), or None."""
+    base = _base(path)
+    low = base.lower()
+    for prefix in _LISTINGS:
+        if low == prefix or low.startswith(prefix + "/"):
+            return prefix + base[len(prefix):]
+    return None
+
+
+def family_for(path: str) -> Family:
+    """The API family whose error shape a path's answers use."""
+    row = lookup(path)
+    if row is not None:
+        return row.family
+    return "anthropic" if path.lower().startswith("/anthropic/") else "openai"
 
 
 def canonical(path: str) -> str:

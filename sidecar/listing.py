@@ -6,7 +6,7 @@ Operators see every entry (hidden ones included) through ``/admin/models``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from urllib.parse import unquote
 
@@ -15,6 +15,7 @@ import orjson
 from . import errors
 from .config import ApiKey
 from .errors import Reply
+from .ingress import family_for
 from .snapshot import Snapshot
 
 CREATED = 0  # listings carry no creation time; a fixed value keeps them stable
@@ -100,19 +101,12 @@ def _ok(payload: dict) -> Reply:
     return Reply(200, orjson.dumps(payload))
 
 
-def is_listing(path: str) -> bool:
-    p = path.partition("?")[0]
-    return p == "/v1/models" or p.startswith("/v1/models/") or p == "/anthropic/v1/models" or p.startswith(
-        "/anthropic/v1/models/"
-    )
-
-
-def answer(snap: Snapshot, path: str, method: str, key: ApiKey | None) -> Reply:
-    """The listing reply for a path that :func:`is_listing` accepted."""
-    p = path.partition("?")[0]
-    family = "anthropic" if p.startswith("/anthropic/") else "openai"
+def answer(snap: Snapshot, p: str, method: str, key: ApiKey | None) -> Reply:
+    """The listing reply for ``p``, a path as :func:`ingress.listing_path` spells it."""
+    family = family_for(p)
     if method not in ("GET", "HEAD"):
-        return errors.error("invalid_request", f"{method} is not supported on {p}.", family)
+        refusal = errors.error("method_not_allowed", f"{method} is not supported on {p}; use GET.", family)
+        return replace(refusal, headers=(("allow", "GET, HEAD"),))
     entries = visible(snap, key)
     if p == "/v1/models" or p == "/v1/models/proxy":
         return _ok({"object": "list", "data": [_openai(e) for e in entries]})

@@ -15,6 +15,14 @@ from .assignment import Race, salt_prefix
 from .config import ApiKey, Backend, Config, Experiment, ModelMetadata
 
 BACKEND_HEADER = "x-model-router-backend"
+# Request headers in these namespaces belong to the router: Envoy drops any
+# client copy before the first filter, so none reaches the sidecar or a backend.
+ROUTER_HEADER_PREFIXES = ("x-model-router-", "x-continuum-")
+# Response headers the router sets to attribute a request; upstream copies are dropped.
+ATTRIBUTION_HEADERS = (
+    "x-continuum-experiment", "x-continuum-experiment-variant",
+    "x-continuum-model-variant", "x-continuum-model-variant-applied",
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class Snapshot:
     aliases: Mapping[str, str]
     experiments: Mapping[str, ExperimentInfo]  # by client-facing model
     served: Mapping[str, tuple[str, ...]]  # model -> backends serving it, config order
-    default_backend: str | None
+    passthrough_backend: str | None  # proxy.passthrough_backend
     discovered: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     metadata: Mapping[str, ModelMetadata] = field(default_factory=dict)  # canonical id -> entry
     meta_alias: Mapping[str, str] = field(default_factory=dict)  # metadata alias -> canonical id
@@ -137,7 +145,6 @@ def build(
         e.model: _experiment(i, e)
         for i, e in enumerate(config.model_experiments)
     }
-    default = next((b.name for b in config.backends if b.enabled and not b.internal), None)
     metadata = {m.id: m for m in config.model_metadata}
     meta_alias = {a: m.id for m in config.model_metadata for a in m.aliases}
     reserved: dict[str, str] = {}
@@ -158,7 +165,7 @@ def build(
         aliases=MappingProxyType(dict(config.model_aliases)),
         experiments=MappingProxyType(experiments),
         served=MappingProxyType({m: tuple(v) for m, v in served.items()}),
-        default_backend=default,
+        passthrough_backend=config.proxy.passthrough_backend,
         discovered=MappingProxyType({k: tuple(v) for k, v in discovered.items()}),
         metadata=MappingProxyType(metadata),
         meta_alias=MappingProxyType(meta_alias),

@@ -177,12 +177,55 @@ def test_authenticate(snap):
     assert authenticate(open_snap, {"x-api-key": "anything"}, "openai").api_key == "anything"
 
 
-def test_passthrough_goes_to_first_enabled_backend(snap):
-    r = passthrough(snap, "/v1/files", Caller("k-all", snap.keys["k-all"]))
-    assert r.backend.name == "a" and r.path is None
+def test_paths_outside_the_table_are_refused_unless_passthrough_is_configured(snap):
+    status, payload = refusal(passthrough(snap, "/v1/files?x=1", Caller("k-all", snap.keys["k-all"]), "openai", []))
+    assert status == 404 and payload["error"]["code"] == "unknown_endpoint"
+    assert "'/v1/files'" in payload["error"]["message"]
+    status, payload = refusal(passthrough(snap, "/anthropic/v1/files", Caller(None, None), "anthropic", []))
+    assert status == 404 and payload["error"]["type"] == "not_found_error"
+
+
+PASSTHROUGH = CONFIG.replace("api_keys:", "proxy: {passthrough_backend: b}\napi_keys:").replace(
+    "model_experiments:", "model_experiments:\n  - {name: hidden, model: h, hide_variant_models: true, "
+    "variants: [{id: x, model: m-x, weight: 1}]}", 1,
+)
+
+
+def test_passthrough_goes_to_the_configured_backend_after_the_gates():
+    snap = snapshot.build(parse(PASSTHROUGH, env={}).config)
+    r = passthrough(snap, "/v1/files", Caller("k-all", snap.keys["k-all"]), "openai", ["m-a"])
+    assert r.backend.name == "b" and r.path is None  # sent as it came
+    assert ("authorization", "Bearer sk-b") in r.set_headers
     # A key limited to some models or backends cannot reach unjudged endpoints.
     for key in ("k-chat", "k-a"):
-        assert refusal(passthrough(snap, "/tokenize", Caller(key, snap.keys[key])))[0] == 403
+        assert refusal(passthrough(snap, "/tokenize", Caller(key, snap.keys[key]), "openai", []))[0] == 403
+    # A reserved model named on any path answers as an unknown one, in every spelling.
+    unknown = decide(snap, req("/v1/chat/completions", {"model": "nope"}, snap=snap))
+    for name in ("m-x", "m-x:nitro"):
+        got = passthrough(snap, "/tokenize", Caller("k-all", snap.keys["k-all"]), "openai", ["m-a", name])
+        assert got.status == 404 and got.reserved_by == "hidden"
+        assert got.body == unknown.body.replace(b"nope", name.encode())
+
+
+@pytest.mark.parametrize("path, row", [
+    ("/v1/chat/completions/", "/v1/chat/completions"),
+    ("/V1/Chat/Completions", "/v1/chat/completions"),
+    ("/v1/messages", "/anthropic/v1/messages"),
+    ("/v1/messages/", "/anthropic/v1/messages"),
+    ("/v1/messages/count_tokens?beta=true", "/anthropic/v1/messages/count_tokens"),
+    ("/v1/realtime/?model=chat", "/v1/realtime"),
+])
+def test_engine_spellings_resolve_to_their_row(path, row):
+    assert lookup(path) is INGRESSES[row]
+
+
+def test_listing_spellings_keep_the_model_id():
+    from sidecar.ingress import listing_path
+
+    assert listing_path("/v1/models/") == "/v1/models"
+    assert listing_path("/V1/Models/Org/Model-7B") == "/v1/models/Org/Model-7B"
+    assert listing_path("/anthropic/v1/models?limit=5") == "/anthropic/v1/models"
+    assert listing_path("/v1/modelsx") is None
 
 
 @pytest.mark.parametrize("raw, expected", [

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 CONFIG = """
 server:
   max_body_bytes: 25165824      # 24 MiB
+proxy: {passthrough_backend: alpha}
 backends:
   - {name: alpha, url: "demo://", models: [m-alpha, shared]}
   - {name: beta, url: "demo://", models: [m-beta, shared]}
