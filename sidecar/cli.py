@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from importlib import resources
 from pathlib import Path
 
@@ -171,20 +170,19 @@ See the split: 100 callers, one key each; each keeps its arm on every request.
        -H 'content-type: application/json' -d '{{"model": "{model}", "messages": []}}' | grep -i x-continuum-experiment-variant; done | sort | uniq -c
 
 Press Ctrl-C to stop.""", flush=True)
+    code = 0
     try:
-        while not stopping:
-            for name, proc in stack._procs.items():
-                if proc.popen.poll() is not None:
-                    print(f"error: {name} exited with code {proc.popen.returncode}; see {proc.log}", file=sys.stderr)
-                    stopping = True
-            time.sleep(0.2)
+        stack.supervise(lambda: stopping)  # restarts what dies; raises when it cannot
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         print("stopping...", flush=True)
         stack.stop()
         if tmp is not None:
             tmp.cleanup()
         print(f"stopped; logs are in {logs}", flush=True)
-    return 0
+    return code
 
 
 def cmd_demo_engine(args) -> int:

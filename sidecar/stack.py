@@ -60,6 +60,32 @@ class _Proc:
     argv: list[str]
     log: Path
     popen: subprocess.Popen | None = None
+    stopped: bool = False  # stopped on purpose: not restarted by Stack.poll
+
+
+@dataclass
+class _Watch:
+    """What Stack.poll knows about one process name, across its restarts."""
+
+    deaths: list[float] = field(default_factory=list)  # monotonic times of unexpected exits, in the window
+    failures: int = 0  # consecutive short-lived runs: the exponent of the next backoff
+    up_since: float | None = None  # last seen ready
+    restart_at: float | None = None  # dead, restart scheduled
+    ready_by: float | None = None  # restarted, not ready yet: give up past this
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def describe_exit(code: int) -> str:
+    """``code 1`` or ``signal SIGKILL`` for a Popen returncode."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 @dataclass
@@ -74,7 +100,17 @@ class Stack:
     sidecar_grpc: list[str] = field(default_factory=list)
     sidecar_admin: list[str] = field(default_factory=list)
     envoy_admin: str = ""
+    # Supervision (poll/supervise): restart an unexpected exit after a backoff
+    # doubling from restart_backoff[0] to restart_backoff[1] seconds (back to the
+    # start once a run lasted stable_after seconds); give up after give_up[0]
+    # exits of one process within give_up[1] seconds, or when a restarted one is
+    # not ready within restart_ready_timeout.
+    restart_backoff: tuple[float, float] = (0.5, 10.0)
+    stable_after: float = 30.0
+    give_up: tuple[int, float] = (5, 60.0)
+    restart_ready_timeout: float = 30.0
     _procs: dict[str, _Proc] = field(default_factory=dict)
+    _watch: dict[str, _Watch] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
     _container: object | None = None
 
@@ -166,7 +202,9 @@ class Stack:
         self._container = container
 
     def sidecar_argv(self, i: int = 0) -> list[str]:
-        argv = [sys.executable, "-m", "sidecar", "serve", "--config", str(self.config_path),
+        # --workers 1: the stack runs one process per worker itself (a config's
+        # server.workers would otherwise make each of them start its own).
+        argv = [sys.executable, "-m", "sidecar", "serve", "--config", str(self.config_path), "--workers", "1",
                 "--grpc-listen", self.sidecar_grpc[i], "--admin-listen", self.sidecar_admin[i]]
         for name, url in self.demo_urls.items():
             argv += ["--backend-url", f"{name}={url}"]
@@ -192,6 +230,35 @@ class Stack:
     def log(self, name: str) -> str:
         proc = self._procs.get(name)
         return proc.log.read_text(errors="replace") if proc and proc.log.exists() else ""
+
+    def supervise(self, should_stop: Callable[[], bool], interval: float = 0.2,
+                  say: Callable[[str], None] = _say) -> None:
+        """Keep the started stack up until ``should_stop()`` is true: :meth:`poll`
+        every ``interval`` seconds. Raises StackError when a process cannot be
+        kept up; the caller stops the stack either way."""
+        while not should_stop():
+            self.poll(say)
+            time.sleep(interval)
+
+    def poll(self, say: Callable[[str], None] = _say) -> None:
+        """One supervision step. A process that exited unexpectedly is restarted
+        (same argv, ports and log) after a backoff, announced through ``say``;
+        raises StackError naming the process, its exit and its log when it
+        exits too often or a restart does not become ready."""
+        now = time.monotonic()
+        for name, proc in list(self._procs.items()):
+            if proc.stopped or proc.popen is None:
+                continue
+            w = self._watch.setdefault(name, _Watch(up_since=now))
+            if w.restart_at is not None:
+                if now >= w.restart_at:
+                    self._restart(proc, w, now)
+                continue
+            code = proc.popen.poll()
+            if code is not None:
+                self._exited(proc, w, code, now, say)
+            elif w.ready_by is not None:
+                self._check_restarted(proc, w, now, say)
 
     def stop(self) -> None:
         if self._container is not None:
@@ -224,7 +291,55 @@ class Stack:
         fh.close()
         self._procs[name] = _Proc(name, argv, log, popen)
 
+    def _exited(self, proc: _Proc, w: _Watch, code: int, now: float, say: Callable[[str], None]) -> None:
+        limit, window = self.give_up
+        w.deaths = [t for t in w.deaths if now - t < window] + [now]
+        if w.up_since is not None and now - w.up_since >= self.stable_after:
+            w.failures = 0
+        w.up_since = w.ready_by = None
+        how = describe_exit(code)
+        if len(w.deaths) >= limit:
+            raise StackError(f"{proc.name} exited ({how}) {len(w.deaths)} times within {window:g} s; "
+                             f"giving up (log: {proc.log}){self._tail(proc.name)}")
+        delay = min(self.restart_backoff[0] * 2 ** w.failures, self.restart_backoff[1])
+        w.failures += 1
+        w.restart_at = now + delay
+        say(f"{proc.name} exited ({how}); restarting in {delay:.1f} s (log: {proc.log})")
+
+    def _restart(self, proc: _Proc, w: _Watch, now: float) -> None:
+        w.restart_at = None
+        if proc.name == "envoy":
+            # Envoy's own ports: if something else took one meanwhile, a restart
+            # would only fail to bind.
+            for addr in (self.listen, self.envoy_admin):
+                if _accepting(addr):
+                    raise StackError(f"envoy exited and cannot be restarted: {addr} is now in use by another "
+                                     f"process (log: {proc.log})")
+        self._spawn(proc.name, proc.argv)
+        w.ready_by = now + self.restart_ready_timeout
+
+    def _check_restarted(self, proc: _Proc, w: _Watch, now: float, say: Callable[[str], None]) -> None:
+        url = self._ready_url(proc.name)
+        if _answers(url):
+            w.ready_by, w.up_since = None, now
+            say(f"{proc.name} restarted (pid {proc.popen.pid}) and ready")
+        elif now > w.ready_by:
+            raise StackError(f"{proc.name} was restarted but not ready at {url} within "
+                             f"{self.restart_ready_timeout:g} s; giving up (log: {proc.log}){self._tail(proc.name)}")
+
+    def _ready_url(self, name: str) -> str:
+        if name == "envoy":
+            return f"http://{self.envoy_admin}/ready"
+        if name.startswith("sidecar-"):
+            return f"http://{self.sidecar_admin[int(name.removeprefix('sidecar-'))]}/readyz"
+        return self.demo_urls[name.removeprefix("demo-")] + "/health"
+
+    def _tail(self, name: str, lines: int = 10) -> str:
+        tail = self.log(name).rstrip().splitlines()[-lines:]
+        return "".join(f"\n  | {line}" for line in tail)
+
     def _stop(self, proc: _Proc, sig: int = signal.SIGTERM) -> None:
+        proc.stopped = True
         p = proc.popen
         if p is None or p.poll() is not None:
             return
@@ -269,6 +384,23 @@ def wait_http(url: str, deadline: float, alive: Callable[[], None] | None = None
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _accepting(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def wait_tcp(addr: str, deadline: float, alive: Callable[[], None] | None = None) -> bool:
