@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl
 import orjson
 
 from .errors import Kind
+from .jsonedit import WS, string_end, value_end
 
 MAX_MODEL_NAME = 256
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -49,50 +50,6 @@ def parse_json(body: bytes) -> dict:
     return data
 
 
-_WS = b" \t\r\n"
-_LITERAL_END = re.compile(rb"[,}\]\s]")
-
-
-def _string_end(body: bytes, start: int) -> int:
-    """Index just past the JSON string that opens at ``start``."""
-    j = start
-    while True:
-        j = body.find(b'"', j + 1)
-        if j < 0:
-            raise ValueError("unterminated string")
-        k = j - 1
-        while body[k] == 0x5C:  # backslash
-            k -= 1
-        if (j - 1 - k) % 2 == 0:
-            return j + 1
-
-
-def _value_end(body: bytes, start: int) -> int:
-    c = body[start]
-    if c == 0x22:
-        return _string_end(body, start)
-    if c not in (0x7B, 0x5B):  # { [
-        m = _LITERAL_END.search(body, start)
-        return m.start() if m else len(body)
-    depth = 0
-    pos = start
-    while True:
-        m = _NESTED_TOKEN.search(body, pos)
-        if m is None:
-            raise ValueError("unbalanced brackets")
-        t = body[m.start()]
-        if t == 0x22:
-            pos = _string_end(body, m.start())
-            continue
-        depth += 1 if t in (0x7B, 0x5B) else -1
-        pos = m.end()
-        if depth == 0:
-            return pos
-
-
-_NESTED_TOKEN = re.compile(rb'["{}\[\]]')
-
-
 def top_level_spans(body: bytes, keys: set[str]) -> dict[str, list[tuple[int, int]]]:
     """Byte spans of the values of the wanted top-level keys (every occurrence).
 
@@ -102,16 +59,16 @@ def top_level_spans(body: bytes, keys: set[str]) -> dict[str, list[tuple[int, in
     pos = body.index(b"{") + 1
     n = len(body)
     while pos < n:
-        while pos < n and body[pos] in _WS or (pos < n and body[pos] == 0x2C):
+        while pos < n and body[pos] in WS or (pos < n and body[pos] == 0x2C):
             pos += 1
         if pos >= n or body[pos] == 0x7D:
             break
-        key_end = _string_end(body, pos)
+        key_end = string_end(body, pos)
         key = orjson.loads(body[pos:key_end])
         pos = body.index(b":", key_end) + 1
-        while body[pos] in _WS:
+        while body[pos] in WS:
             pos += 1
-        end = _value_end(body, pos)
+        end = value_end(body, pos)
         if key in keys:
             spans.setdefault(key, []).append((pos, end))
         pos = end
@@ -129,14 +86,14 @@ def _fast_spans(body: bytes, values: dict[str, object], present: bool) -> dict[s
     if body.count(needle) != 1:
         return None
     pos = body.index(needle) + len(needle)
-    while pos < len(body) and body[pos] in _WS:
+    while pos < len(body) and body[pos] in WS:
         pos += 1
     if pos >= len(body) or body[pos] != 0x3A:  # not followed by ':' -> not a key
         return None
     pos += 1
-    while body[pos] in _WS:
+    while body[pos] in WS:
         pos += 1
-    return {key: [(pos, _value_end(body, pos))]}
+    return {key: [(pos, value_end(body, pos))]}
 
 
 def set_top_level(body: bytes, values: dict[str, object], parsed: dict | None = None) -> bytes:

@@ -35,6 +35,15 @@ from dataclasses import dataclass
 
 import orjson
 
+from .jsonedit import (
+    MODEL_KEY,
+    SCAN_ERRORS,
+    USAGE_KEY,
+    object_edits,
+    splice,
+    splice_lines,
+)
+
 __all__ = [
     "MAX_JSON_REWRITE",
     "MAX_SSE_LINE",
@@ -63,9 +72,8 @@ _LF_ONLY = 0
 _CRLF = 1
 _LONE_CR = 2
 
-_UNCHANGED = 0
-_CHANGED = 1
-_DROP = 2
+_RESPONSE = b'"response"'
+_MESSAGE = b'"message"'
 
 
 @dataclass
@@ -147,11 +155,11 @@ def rewrite_json_body(body: bytes, model: str | None, family: str) -> tuple[byte
     current = obj.get("model")
     if type(current) is not str or current == model:
         return body, usage
-    obj["model"] = model
     try:
-        return orjson.dumps(obj), usage
-    except (orjson.JSONEncodeError, TypeError):
+        edits = object_edits(body, orjson.dumps(model), True, None, False)
+    except SCAN_ERRORS:
         return body, usage
+    return (splice(body, edits) if edits else body), usage
 
 
 class SSERewriter:
@@ -215,6 +223,8 @@ class SSERewriter:
         "_lf_emit",
         "_mode",
         "_cr_tail",
+        "_value",
+        "_value_of",
     )
 
     def __init__(
@@ -240,6 +250,8 @@ class SSERewriter:
         self._lf_emit = True
         self._mode = _LF_ONLY
         self._cr_tail = False
+        self._value = b""
+        self._value_of = None
 
     @property
     def buffered(self) -> int:
@@ -410,22 +422,21 @@ class SSERewriter:
     def _event(self, content: bytes) -> bytes | None:
         """Process one event's lines (without its blank line).
 
-        Returns ``content`` itself when unchanged, the rewritten lines, or
+        Returns ``content`` itself when unchanged, the edited event, or
         ``None`` when the event is to be dropped.
         """
         last = len(content) - 1
         if content.startswith(b"data:") and content.find(10) == last and content.find(13) in (-1, last - 1):
-            lines = None
-            term = b"\n" if content[-2] != 13 else b"\r\n"
-            cut = len(term)
-            data = content[6:-cut] if content[5] == 32 else content[5:-cut]
+            segments = None
+            base = 6 if content[5] == 32 else 5
+            data = content[base : -2 if content[-2] == 13 else -1]
         else:
-            lines, idx, data = self._split(content)
-            if lines is None:
+            segments, data = self._split(content)
+            if segments is None:
                 return content
 
         if self._openai:
-            if (self.model is None or data.find(b'"model"') < 0) and data.find(b'"usage"') < 0:
+            if (self.model is None or data.find(MODEL_KEY) < 0) and data.find(USAGE_KEY) < 0:
                 return content
         elif data.find(b'"message_start"') < 0 and data.find(b'"message_delta"') < 0:
             return content
@@ -435,48 +446,36 @@ class SSERewriter:
             return content
         if type(obj) is not dict:
             return content
-        action = self._openai_obj(obj) if self._openai else self._anthropic_obj(obj)
-        if action == _UNCHANGED:
-            return content
-        if action == _DROP:
-            return None
         try:
-            payload = orjson.dumps(obj)
-        except (orjson.JSONEncodeError, TypeError):
+            edits = self._openai_edits(obj, data) if self._openai else self._anthropic_edits(obj, data)
+        except SCAN_ERRORS:
             return content
-        if lines is None:
-            return b"data: " + payload + term
-
-        at = idx[-1]
-        last = lines[at]
-        if last.endswith(b"\r\n"):
-            term = b"\r\n"
-        elif last.endswith(b"\n"):
-            term = b"\n"
-        elif last.endswith(b"\r"):
-            term = b"\r"
-        else:
-            term = b""
-        new_line = b"data: " + payload + term
-        if len(lines) == 1:
-            return new_line
-        lines[at] = new_line
-        if len(idx) == 1:
-            return b"".join(lines)
-        removed = set(idx[:-1])
-        return b"".join([line for i, line in enumerate(lines) if i not in removed])
+        if edits is None:
+            return None
+        if not edits:
+            return content
+        if segments is None:
+            if len(edits) == 1:
+                start, end, rep = edits[0]
+                return content[: base + start] + rep + content[base + end :]
+            return splice(content, edits, base)
+        return splice_lines(content, segments, edits)
 
     @staticmethod
     def _split(content: bytes):
-        """Split an event into lines and collect its data field.
+        """Find an event's data lines and join their values.
 
-        Returns ``(lines, data_line_indices, data)``, or ``(None, None, None)``
-        when the event has no data field.
+        Returns ``(segments, data)``: ``(data offset, content offset, length)``
+        of each data line's value, and the values joined with ``"\\n"``; or
+        ``(None, None)`` when the event has no data field.
         """
-        lines = content.splitlines(True)
         values = []
-        idx = []
-        for i, line in enumerate(lines):
+        segments = []
+        at = 0
+        off = 0
+        for line in content.splitlines(True):
+            start = at
+            at += len(line)
             if not line.startswith(b"data"):
                 continue
             ll = len(line)
@@ -486,34 +485,36 @@ class SSERewriter:
             elif last == 13:
                 ll -= 1
             if ll == 4:
-                values.append(b"")
+                vs = 4
             elif line[4] == 58:
-                values.append(line[6:ll] if ll > 5 and line[5] == 32 else line[5:ll])
+                vs = 6 if ll > 5 and line[5] == 32 else 5
             else:
                 continue
-            idx.append(i)
-        if not idx:
-            return None, None, None
-        return lines, idx, (values[0] if len(values) == 1 else b"\n".join(values))
+            values.append(line[vs:ll])
+            segments.append((off, start + vs, ll - vs))
+            off += ll - vs + 1
+        if not segments:
+            return None, None
+        return segments, (values[0] if len(values) == 1 else b"\n".join(values))
 
-    def _openai_obj(self, obj: dict) -> int:
-        """Apply OpenAI rules to a parsed chunk; return the action to take."""
-        action = _UNCHANGED
+    def _openai_edits(self, obj: dict, data: bytes):
+        """Apply OpenAI rules to a parsed chunk: read its usage and return the
+        edits to its data (empty: unchanged), or ``None`` to drop it."""
+        cut_usage = False
         if "usage" in obj:
             u = obj["usage"]
             if type(u) is dict:
                 _read_openai_usage(u, self.usage)
                 if self.strip_injected_usage and obj.get("choices") == []:
-                    return _DROP
+                    return None
             elif u is None and self.strip_injected_usage:
-                del obj["usage"]
-                action = _CHANGED
+                cut_usage = True
         model = self.model
+        top = False
+        parent = None
         if model is not None:
             current = obj.get("model")
-            if type(current) is str and current != model:
-                obj["model"] = model
-                action = _CHANGED
+            top = type(current) is str and current != model
         resp = obj.get("response")
         if type(resp) is dict:
             kind = obj.get("type")
@@ -521,32 +522,40 @@ class SSERewriter:
                 if model is not None:
                     current = resp.get("model")
                     if type(current) is str and current != model:
-                        resp["model"] = model
-                        action = _CHANGED
+                        parent = _RESPONSE
                 u = resp.get("usage")
                 if type(u) is dict:
                     _read_openai_usage(u, self.usage)
-        return action
+        if top or parent:
+            value = self._value if self._value_of is model else self._encoded_model()
+            return object_edits(data, value, top, parent, cut_usage)
+        return object_edits(data, None, False, None, True) if cut_usage else ()
 
-    def _anthropic_obj(self, obj: dict) -> int:
-        """Apply Anthropic rules to a parsed event; return the action to take."""
+    def _encoded_model(self) -> bytes:
+        """``model`` as a JSON string, encoded once."""
+        self._value = orjson.dumps(self.model)
+        self._value_of = self.model
+        return self._value
+
+    def _anthropic_edits(self, obj: dict, data: bytes):
+        """Apply Anthropic rules to a parsed event: read its usage and return
+        the edits to its data (empty: unchanged)."""
         kind = obj.get("type")
         if kind == "message_start":
             msg = obj.get("message")
             if type(msg) is not dict:
-                return _UNCHANGED
+                return ()
             u = msg.get("usage")
             if type(u) is dict:
                 _read_anthropic_usage(u, self.usage)
             model = self.model
             current = msg.get("model")
             if model is not None and type(current) is str and current != model:
-                msg["model"] = model
-                return _CHANGED
+                return object_edits(data, self._encoded_model(), False, _MESSAGE, False)
         elif kind == "message_delta":
             u = obj.get("usage")
             if type(u) is dict:
                 if "output_tokens" in u:
                     self.usage.completion_tokens = _count(u["output_tokens"])
                 self.usage.seen = True
-        return _UNCHANGED
+        return ()

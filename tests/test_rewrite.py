@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 from dataclasses import dataclass, field
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from sidecar import rewrite
@@ -219,7 +220,7 @@ class TestSSEOpenAI:
 
     def test_data_without_space(self):
         out = run(SSERewriter("client", "openai"), [b'data:{"model":"up","x":1}\n\n'])
-        assert out == b'data: {"model":"client","x":1}\n\n'
+        assert out == b'data:{"model":"client","x":1}\n\n'
 
     @pytest.mark.parametrize("line", [b'data-x: {"model":"up"}', b'data_{"model":"up"}', b'Data: {"model":"up"}'])
     def test_field_that_only_starts_with_data_is_not_data(self, line):
@@ -241,21 +242,21 @@ class TestSSEOpenAI:
         out = run(SSERewriter("client", "openai"), [raw])
         assert out == b'event: a\r\ndata: {"model":"client"}\r\r\n: c\ndata: {"model":"client"}\n\r'
 
-    def test_multi_line_data_is_joined_and_rewritten_as_one_line(self):
+    def test_multi_line_data_is_joined_and_edited_in_place(self):
         raw = b'event: chunk\ndata: {"model":\ndata:  "up",\nid: 3\ndata: "x": [1,\ndata: 2]}\n\n'
         out = run(SSERewriter("client", "openai"), [raw])
-        assert out == b'event: chunk\nid: 3\ndata: {"model":"client","x":[1,2]}\n\n'
+        assert out == b'event: chunk\ndata: {"model":\ndata:  "client",\nid: 3\ndata: "x": [1,\ndata: 2]}\n\n'
 
-    def test_rewritten_data_line_takes_the_place_and_ending_of_the_last_data_line(self):
+    def test_every_line_keeps_its_ending(self):
         raw = b'data: {"model":\r\ndata: "up"}\n\r\n'
         out = run(SSERewriter("client", "openai"), [raw])
-        assert out == b'data: {"model":"client"}\n\r\n'
+        assert out == b'data: {"model":\r\ndata: "client"}\n\r\n'
 
-    def test_removing_data_lines_does_not_merge_events(self):
+    def test_other_lines_inside_a_multi_line_event_stay_in_place(self):
         raw = b'data: {"model":\n: c\rdata: "up"}\n\ndata: {"model": "up"}\n\n'
         out = run(SSERewriter("client", "openai"), [raw])
-        assert out == b': c\rdata: {"model":"client"}\n\ndata: {"model":"client"}\n\n'
-        assert parse_sse(out) == [([(":", " c")], '{"model":"client"}'), ([], '{"model":"client"}')]
+        assert out == b'data: {"model":\n: c\rdata: "client"}\n\ndata: {"model": "client"}\n\n'
+        assert parse_sse(out) == [([(":", " c")], '{"model":\n"client"}'), ([], '{"model": "client"}')]
 
     @pytest.mark.parametrize(
         "payload",
@@ -319,7 +320,7 @@ class TestSSEOpenAI:
             ),
             (
                 b'data: {"model":"up"}\r\n\rdata:{"model":"up"}\n\r\n',
-                b'data: {"model":"client"}\r\n\rdata: {"model":"client"}\n\r\n',
+                b'data: {"model":"client"}\r\n\rdata:{"model":"client"}\n\r\n',
             ),
             (
                 b':\r\n\r\n\rdata: {"model":"\xc3\xa9"}\r\rdata: [DONE]\n\n',
@@ -522,6 +523,148 @@ class TestStripInjectedUsage:
         assert rw.usage == Usage(4, 0, True)
 
 
+# ---------------------------------------------------------------------------
+# Only the model value changes: every other byte stays as the upstream sent it
+# ---------------------------------------------------------------------------
+
+
+def swapped(raw: bytes, old: bytes = b'"up"', new: bytes = b'"client"') -> bytes:
+    """``raw`` with every ``old`` replaced: the output the cases below expect."""
+    return raw.replace(old, new)
+
+
+class TestOnlyTheModelValueChanges:
+    @pytest.mark.parametrize(
+        "raw",
+        [
+            pytest.param(b'data:{"id":"x","model":"up","choices":[]}\n\n', id="data-without-space"),
+            pytest.param(
+                b'data: {"id":"caf\\u00e9","model":"up","choices":[{"delta":{"content":"\\u00e9\\ud83d\\ude00 \\u0022"}}]}\n\n',
+                id="unicode-escapes-elsewhere",
+            ),
+            pytest.param(
+                b'data: {"id":"caf\xc3\xa9","model":"up","choices":[{"delta":{"content":"\xf0\x9f\x98\x80"}}]}\n\n',
+                id="raw-utf8-elsewhere",
+            ),
+            pytest.param(b'data: { "id" : "x" ,\t"model"  :  "up" , "choices" : [ ] }  \n\n', id="spaced"),
+            pytest.param(b'data: {\ndata:   "model": "up",\ndata:   "choices": []\ndata: }\n\n', id="pretty-printed"),
+            pytest.param(b'data: {"id": "x",\ndata:"model": "up"}\n\n', id="two-lines-model-on-second"),
+            pytest.param(b'data:{"model":\ndata:  "up", "id": "x"}\n\n', id="two-lines-value-on-second"),
+            pytest.param(b'data: {"model": "up",\ndata: "id": "x"}\n\n', id="two-lines-model-on-first"),
+            pytest.param(b'data: {"model": "up"}\r\n\r\ndata:{"model":"up"}\r\n\r\n', id="crlf"),
+            pytest.param(b'event: c\r\ndata:{\r\ndata: "model":"up"}\r\n\r\n', id="crlf-two-lines"),
+            pytest.param(b'data: {"model": "up"}\r\rdata: {\rdata: "model": "up"}\r\r', id="lone-cr"),
+            pytest.param(
+                b'data: {"choices":[{"model":"inner"}],"model":"up","x":{"model":"deep","y":["model"]}}\n\n',
+                id="nested-model-key",
+            ),
+            pytest.param(b'data: {"content":"the \\"model\\": \\"x\\"","model":"up"}\n\n', id="model-in-a-string"),
+            pytest.param(b'data: {"role":"model","model":"up","note":"\\"model\\""}\n\n', id="model-as-a-value"),
+            pytest.param(b'data: {"model":"up","x":1,"model":"up"}\n\n', id="duplicate-key"),
+            pytest.param(b': c\nevent: e\nid: 1\ndata: {"model" :"up"}\nretry: 5\n\n', id="other-fields"),
+        ],
+    )
+    def test_openai_events(self, raw):
+        expected = swapped(raw)
+        assert run(SSERewriter("client", "openai"), [raw]) == expected
+        for cut in range(len(raw) + 1):
+            assert run(SSERewriter("client", "openai"), [raw[:cut], raw[cut:]]) == expected, cut
+
+    def test_key_spelled_with_an_escape(self):
+        raw = b'data: {"mod\\u0065l":"up","x":{"model":"inner"}}\n\n'
+        out = run(SSERewriter("client", "openai"), [raw])
+        assert out == b'data: {"mod\\u0065l":"client","x":{"model":"inner"}}\n\n'
+
+    def test_model_value_with_escapes_is_replaced_whole(self):
+        raw = b'data: {"model":"\\u0075p\\/\\"x\\"","id":"\\u00e9"}\n\n'
+        assert run(SSERewriter("client", "openai"), [raw]) == b'data: {"model":"client","id":"\\u00e9"}\n\n'
+
+    def test_client_name_is_json_encoded(self):
+        raw = b'data: {"model":"up","id":"\\u00e9"}\n\n'
+        out = run(SSERewriter('a"b\\c\u00e9\n', "openai"), [raw])
+        assert out == b'data: {"model":' + orjson.dumps('a"b\\c\u00e9\n') + b',"id":"\\u00e9"}\n\n'
+
+    def test_responses_events(self):
+        raw = (
+            b'data: {"type":"response.created","response":{"id":"r","model" : "up","x":{"model":"deep"}},'
+            b'"model":"client"}\n\n'
+            b'data:{"type": "response.completed", "model": "up",\n'
+            b'data: "response": {"model": "up", "usage": {"input_tokens": 2, "output_tokens": 3}}}\n\n'
+        )
+        rw = SSERewriter("client", "openai")
+        assert run(rw, [raw]) == swapped(raw)
+        assert rw.usage == Usage(2, 3, True)
+
+    def test_anthropic_message_start(self):
+        raw = (
+            b'event: message_start\r\n'
+            b'data: {"type": "message_start",\r\n'
+            b'data:  "message": {"id": "m\\u00e9", "model" : "up", "content": [{"model": "x"}],\r\n'
+            b'data:   "usage": {"input_tokens": 4, "output_tokens": 1}}, "model": "up"}\r\n\r\n'
+        )
+        rw = SSERewriter("client", "anthropic")
+        out = run(rw, [raw])
+        assert out == raw.replace(b'"model" : "up"', b'"model" : "client"')
+        assert rw.usage == Usage(4, 1, True)
+
+    @pytest.mark.parametrize(
+        "raw",
+        [
+            b'{"id":"x","model":"up","usage":{"prompt_tokens":1,"completion_tokens":2}}',
+            b' \n{\n  "id" : "caf\\u00e9",\n  "model":   "up",\n  "choices": [ {"message": {"content": '
+            b'"\\"model\\": \\"up\\" \xc3\xa9", "model": "nested"}} ]\n}\n',
+            b'{"choices":[{"model":"inner"}],"model":"up"}',
+            b'{"model":"up","model":"up"}',
+            b'{"note": "model", "model"\n:\n"up"}',
+        ],
+    )
+    def test_json_bodies(self, raw):
+        out, _ = rewrite_json_body(raw, "client", "openai")
+        expected = raw.replace(b'"model":   "up"', b'"model":   "client"').replace(b'"model":"up"', b'"model":"client"')
+        expected = expected.replace(b'"model"\n:\n"up"', b'"model"\n:\n"client"')
+        assert out == expected
+
+    def test_json_body_escaped_key(self):
+        out, _ = rewrite_json_body(b'{"mod\\u0065l" : "up", "x": {"model": "in"}}', "client", "openai")
+        assert out == b'{"mod\\u0065l" : "client", "x": {"model": "in"}}'
+
+
+class TestInjectedUsageIsCutOut:
+    """With ``strip_injected_usage`` the ``"usage": null`` member goes with one
+    comma; the rest of the event keeps its bytes."""
+
+    @pytest.mark.parametrize(
+        "raw, expected",
+        [
+            (b'data: {"id":"x","model":"up","choices":[{"delta":{}}],"usage":null}\n\n',
+             b'data: {"id":"x","model":"client","choices":[{"delta":{}}]}\n\n'),
+            (b'data:{"usage": null, "model": "up", "choices": []}\n\n',
+             b'data:{"model": "client", "choices": []}\n\n'),
+            (b'data: {"id": "x", "usage" : null , "model": "up"}\r\n\r\n',
+             b'data: {"id": "x", "model": "client"}\r\n\r\n'),
+            (b'data: { "usage":null }\n\n', b'data: {  }\n\n'),
+            (b'data: {\ndata:   "model": "up",\ndata:   "usage": null\ndata: }\n\n',
+             b'data: {\ndata:   "model": "client"\ndata: \ndata: }\n\n'),
+            (b'data: {\ndata:   "usage": null,\ndata:   "model": "up"\ndata: }\n\n',
+             b'data: {\ndata:   \ndata:   "model": "client"\ndata: }\n\n'),
+            (b'data: {"a":1,"usage":null,"usage":null}\n\n', b'data: {"a":1}\n\n'),
+            (b'data: {"usage":null, "usage":null,\t"a":1}\n\n', b'data: {"a":1}\n\n'),
+            (b'data: {"a":1,\r\ndata:"usage":null\r\ndata:\t,"b":2}\n\n', b'data: {"a":1,\r\ndata:\r\ndata:"b":2}\n\n'),
+            (b'data: {"usage":null,"a":1,"usage":null}\n\n', b'data: {"a":1}\n\n'),
+            (b'data: {"x":{"usage":null},"usage":null,"model":"up"}\n\n',
+             b'data: {"x":{"usage":null},"model":"client"}\n\n'),
+            (b'data: {"id":"caf\\u00e9","usage":null,"model":"up"}\n\n',
+             b'data: {"id":"caf\\u00e9","model":"client"}\n\n'),
+        ],
+    )
+    def test_cut(self, raw, expected):
+        out = run(SSERewriter("client", "openai", strip_injected_usage=True), [raw])
+        assert out == expected
+        assert orjson.loads(parse_sse(out)[0][1]) == {
+            k: ("client" if k == "model" else v) for k, v in orjson.loads(parse_sse(raw)[0][1]).items() if k != "usage"
+        }
+
+
 class TestLongEvents:
     def test_long_line_passes_through_with_bounded_memory(self):
         max_line = 1000
@@ -618,6 +761,7 @@ class Ev:
     lines: list[tuple[str, str, str]]  # (kind, text, terminator); kind "data" or "other"
     blank: str | None  # terminator of the blank line; None: stream ends without one
     payload: object = None  # dict, Raw or None (no data lines)
+    indent: bool = False  # a dict payload was written with OPT_INDENT_2 (one data line per line)
 
 
 @dataclass
@@ -740,11 +884,13 @@ def events_for(draw, payloads, style):
     if kind == "comments":
         return Ev([("other", t, draw(terms)) for t in others or [":"]], draw(terms))
     payload = draw(payloads)
+    indent = False
     if isinstance(payload, Raw):
         values = list(payload.lines)
     elif draw(st.booleans()):
         values = [orjson.dumps(payload).decode()]
     else:
+        indent = True
         values = orjson.dumps(payload, option=orjson.OPT_INDENT_2).decode().split("\n")
     data_lines = [("data", ("data: " if draw(st.booleans()) else "data:") + v) for v in values]
     # random interleaving that keeps the order within both groups
@@ -756,7 +902,7 @@ def events_for(draw, payloads, style):
         else:
             merged.append(("other", others[j]))
             j += 1
-    return Ev([(k, t, draw(terms)) for k, t in merged], draw(terms), payload)
+    return Ev([(k, t, draw(terms)) for k, t in merged], draw(terms), payload, indent)
 
 
 def fix_terminators(events: list[Ev]) -> None:
@@ -810,6 +956,56 @@ def expected_transform(sc: Scenario, payload: dict, usage: Usage):
             usage.completion_tokens = resp["usage"]["output_tokens"]
             usage.seen = True
     return ("rewrite" if changed else "keep"), obj
+
+
+def edited_lines(sc: Scenario, ev: Ev) -> bytes:
+    """The event's lines as the rewriter must edit them: each rewritten model
+    value replaced where it stands and a stripped ``"usage": null`` cut out
+    with the comma before it (generated chunks put ``usage`` last); every
+    other byte, line prefix and terminator as sent."""
+    marked = copy.deepcopy(ev.payload)
+    if sc.family == "anthropic":
+        owners = [marked["message"]]
+    else:
+        resp = marked.get("response")
+        owners = [marked, resp] if str(marked.get("type")).startswith("response.") else [marked]
+    names = {}
+    for i, owner in enumerate(owners):
+        name = owner.get("model") if isinstance(owner, dict) else None
+        if sc.model is not None and isinstance(name, str) and name != sc.model:
+            mark = f"\u27eamodel{i}\u27eb"
+            names[orjson.dumps(mark).decode()] = name
+            owner["model"] = mark
+    cut = sc.family == "openai" and sc.strip and "usage" in marked and marked["usage"] is None
+    if cut:
+        assert list(marked)[-1] == "usage"
+        marked["usage"] = "\u27eausage\u27eb"
+    text = orjson.dumps(marked, option=orjson.OPT_INDENT_2 if ev.indent else 0).decode()
+    old, new = text, text
+    for mark, name in names.items():
+        old = old.replace(mark, orjson.dumps(name).decode())
+        new = new.replace(mark, orjson.dumps(sc.model).decode())
+    if cut:
+        member = ("\n  " if ev.indent else "") + '"usage":' + (" " if ev.indent else "") + '"\u27eausage\u27eb"'
+        assert new.count("," + member) == 1
+        old = old.replace(member, member.replace('"\u27eausage\u27eb"', "null"))
+        # The line break stays (and with it the data line, now empty).
+        new = new.replace("," + member, "\n" if ev.indent else "")
+    old_values, new_values = old.split("\n"), new.split("\n")
+    assert len(old_values) == len(new_values)
+    out, i = [], 0
+    for kind, t, term in ev.lines:
+        if kind == "data":
+            # The line's value as SSE reads it may have lost one leading space
+            # of the JSON line to the optional space after "data:".
+            prefix = "data: " if t.startswith("data: ") else "data:"
+            skip = len(prefix) - (len(t) - len(old_values[i]))
+            assert t.endswith(old_values[i]) and skip in (0, 1)
+            t = prefix + new_values[i][skip:]
+            i += 1
+        out.append((t + term).encode())
+    assert i == len(old_values)
+    return b"".join(out)
 
 
 def field_of(line: str) -> tuple[str, str]:
@@ -866,14 +1062,7 @@ def build(sc: Scenario) -> Scenario:
             expected.append(raw)
             parsed.append((fields, data))
         elif action == "rewrite":
-            out = []
-            last = max(i for i, (kind, _, _) in enumerate(ev.lines) if kind == "data")
-            for i, (kind, t, term) in enumerate(ev.lines):
-                if i == last:
-                    out.append(b"data: " + orjson.dumps(obj) + term.encode())
-                elif kind != "data":
-                    out.append((t + term).encode())
-            expected.append(b"".join(out) + (ev.blank or "").encode())
+            expected.append(edited_lines(sc, ev) + (ev.blank or "").encode())
             parsed.append((fields, obj))
     sc.stream = b"".join(stream)
     sc.expected = b"".join(expected)
@@ -981,3 +1170,95 @@ class TestSSEProperties:
             assert rw.buffered <= max_line
         out.append(rw.finish())
         assert b"".join(out) == head.expected + huge + tail.expected
+
+
+# Random JSON objects in random serialisation styles: only the model value changes.
+
+SENTINEL = "\ue000"
+plain_text = st.text(st.characters(blacklist_characters=SENTINEL, blacklist_categories=("Cs",)), max_size=8)
+json_keys = st.one_of(st.sampled_from(["model", "usage", "id", "choices", '"model"', "é", "\\u"]), plain_text)
+json_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    plain_text,
+    st.sampled_from(["model", '"model": "x"', "\\", "\n\r", "\u2028"]),
+)
+json_values = st.recursive(
+    json_leaves,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(json_keys, kids, max_size=4)),
+    max_leaves=10,
+)
+model_names = st.one_of(st.sampled_from(["up", "client", "é→✓😀", 'q"uo\\te', ""]), plain_text)
+
+
+@st.composite
+def styled_documents(draw):
+    """``(text, old, new, expected)``: a JSON object text whose top-level model
+    is ``old``, and the text with only that value's bytes set to ``new``."""
+    items = list(draw(st.dictionaries(json_keys, json_values, max_size=6)).items())
+    items = [kv for kv in items if kv[0] != "model"]
+    items.insert(draw(st.integers(0, len(items))), ("model", SENTINEL))
+    obj = dict(items)
+    style = draw(st.sampled_from(["orjson", "json", "json"]))
+    if style == "orjson":
+        text = orjson.dumps(obj).decode()
+        ascii_ = False
+    else:
+        ascii_ = draw(st.booleans())
+        text = json.dumps(
+            obj,
+            ensure_ascii=ascii_,
+            indent=draw(st.sampled_from([None, 0, 2, "\t"])),
+            separators=draw(st.sampled_from([None, (",", ":"), (", ", ": "), (" , ", " : "), (",\n", ":\t")])),
+        )
+    mark = json.dumps(SENTINEL, ensure_ascii=ascii_)
+    assume(text.count(mark) == 1)
+    old, new = draw(model_names), draw(model_names)
+    before = text.replace(mark, json.dumps(old, ensure_ascii=ascii_))
+    after = text.replace(mark, orjson.dumps(new).decode()) if old != new else before
+    return before, old, new, after
+
+
+class TestStyledDocumentProperties:
+    @PROPERTY
+    @given(styled_documents(), st.sampled_from(["", " ", "\n", "\r\n\t "]), st.sampled_from(["", "\n", "  "]))
+    def test_json_body(self, doc, lead, trail):
+        text, old, new, expected = doc
+        body = (lead + text + trail).encode()
+        out, _ = rewrite_json_body(body, new, "openai")
+        assert out == (lead + expected + trail).encode()
+        parsed = orjson.loads(body)
+        parsed["model"] = new
+        assert orjson.loads(out) == parsed
+        if old == new:
+            assert out is body
+
+    @PROPERTY
+    @given(styled_documents(), st.data())
+    def test_sse_event(self, doc, data):
+        text, old, new, expected = doc
+        lines, want = text.split("\n"), expected.split("\n")
+        assert len(lines) == len(want)
+        raw, out_expected = [], []
+        for before, after in zip(lines, want):
+            if data.draw(st.booleans()):
+                raw.append(b": note\n")
+                out_expected.append(b": note\n")
+            prefix = data.draw(st.sampled_from([b"data:", b"data: "]))
+            term = data.draw(st.sampled_from([b"\n", b"\r\n", b"\r"]))
+            raw.append(prefix + before.encode() + term)
+            out_expected.append(prefix + after.encode() + term)
+        # A lone CR and a blank LF would read as one CRLF.
+        blank = data.draw(st.sampled_from([b"\r", b"\r\n"] if term == b"\r" else [b"\n", b"\r\n", b"\r"]))
+        stream = b"".join(raw) + blank + b"data: [DONE]\n\n"
+        expected_stream = b"".join(out_expected) + blank + b"data: [DONE]\n\n"
+        cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6))
+        rw = SSERewriter(new, "openai")
+        out = b"".join(rw.feed(piece) for piece in split_at(stream, cuts)) + rw.finish()
+        assert out == expected_stream
+        (_, got), (_, sent) = parse_sse(out)[0], parse_sse(stream)[0]
+        parsed = orjson.loads(sent)
+        parsed["model"] = new
+        assert orjson.loads(got) == parsed
