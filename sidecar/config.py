@@ -367,18 +367,29 @@ class Loaded:
 # --------------------------------------------------------------------------- loading
 
 
-def _path(loc: tuple) -> str:
+def _path(loc: tuple, key_error: bool = False) -> str:
+    """A pydantic location as the operator wrote it: ``backends[0].url``.
+
+    Pydantic marks an error in a mapping's key by appending ``"[key]"``; a
+    config key that is itself spelled ``[key]`` is a field name like any other.
+    """
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part == "[key]":
+        elif key_error and i == len(loc) - 1 and part == "[key]":
             out += " (the key)"
         elif part == "" or not NAME_RE.fullmatch(str(part)):
             out += f"[{str(part)!r}]"
         else:
             out += ("." if out else "") + str(part)
     return out or "(root)"
+
+
+def _is_key_error(err: dict) -> bool:
+    # A key error's input is the key itself, which stands just before the marker.
+    loc = err["loc"]
+    return len(loc) >= 2 and loc[-1] == "[key]" and err.get("input") == loc[-2]
 
 
 def _message(err: dict) -> str:
@@ -454,7 +465,7 @@ def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
             raise ConfigError(errors)
         config = Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError([f"{_path(e['loc'])}: {_message(e)}" for e in exc.errors()]) from None
+        raise ConfigError([f"{_path(e['loc'], _is_key_error(e))}: {_message(e)}" for e in exc.errors()]) from None
     except RecursionError:
         raise ConfigError(["(root): nested too deeply"]) from None
     errors, warnings = check(config)

@@ -12,7 +12,7 @@ import json
 import orjson
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from sidecar import snapshot, variants
@@ -498,6 +498,7 @@ def check_errors(errors: list[str], mapping) -> None:
 
 @fuzz(600)
 @given(mapping=config_maps, with_backend=st.booleans())
+@example(mapping={"[key]": None}, with_backend=False)  # spelled like pydantic's key marker
 def test_config_parse_raises_only_config_errors_with_field_paths(mapping, with_backend):
     """Schema keys with wrong types and values: a config or ConfigError, each error led by its field path."""
     if with_backend and not isinstance(mapping.get("backends"), list):
