@@ -17,22 +17,29 @@ def key(i: int) -> str:
     return f"{KEY_PREFIX}{i:04d}"
 
 
-def chat_body(model: str, stream: bool = False) -> bytes:
-    """A ~200 B chat completion request body (the same text as ``chat.lua``)."""
+def chat_body(model: str, stream: bool = False, include_usage: bool = False) -> bytes:
+    """A ~200 B chat completion request body (the same text as ``chat.lua``).
+
+    ``include_usage``: a stream that asks for its own usage event
+    (``stream_options.include_usage``).
+    """
     body = (
         '{"model":"' + model + '","messages":[{"role":"system","content":"You are a helpful assistant."},'
         '{"role":"user","content":"Say hello in three words, please."}],"max_tokens":64,"temperature":0.2'
     )
     if stream:
         body += ',"stream":true'
+        if include_usage:
+            body += ',"stream_options":{"include_usage":true}'
     return (body + "}").encode()
 
 
 def chat_requests(
-    host: str, model: str, keys: int, *, stream: bool = False, events: int = 50, interval_ms: int = 1
+    host: str, model: str, keys: int, *, stream: bool = False, events: int = 50, interval_ms: int = 1,
+    include_usage: bool = False,
 ) -> list[bytes]:
     """One complete HTTP/1.1 keep-alive request per API key, in key order."""
-    body = chat_body(model, stream)
+    body = chat_body(model, stream, include_usage)
     extra = b""
     if stream:
         extra = f"x-demo-interval-ms: {interval_ms}\r\nx-demo-events: {events}\r\n".encode()

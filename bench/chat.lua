@@ -4,6 +4,7 @@
 --   BENCH_MODEL        model in the body (default "chat")
 --   BENCH_KEYS         number of keys sk-bench-0000 .. (default 1000)
 --   BENCH_STREAM       "1": "stream":true plus x-demo-interval-ms / x-demo-events
+--   BENCH_USAGE        "1" (with BENCH_STREAM): "stream_options":{"include_usage":true}
 --   BENCH_EVENTS       x-demo-events (default 50)
 --   BENCH_INTERVAL_MS  x-demo-interval-ms (default 1)
 --
@@ -23,6 +24,9 @@ function init(args)
     .. '{"role":"user","content":"Say hello in three words, please."}],"max_tokens":64,"temperature":0.2'
   if stream then
     body = body .. ',"stream":true'
+    if os.getenv("BENCH_USAGE") == "1" then
+      body = body .. ',"stream_options":{"include_usage":true}'
+    end
   end
   body = body .. '}'
   local headers = {}

@@ -2,17 +2,28 @@
 
     .venv/bin/python bench/decision.py
 
-Prints microseconds per call for the pieces the sidecar runs per request.
+Prints microseconds per call for the pieces the sidecar runs per request,
+on the request path (the decision) and off it (one access-log entry: decoding
+it from a batch, the metrics and the usage record written to a file).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+import tempfile
 import time
 import timeit
 
 import orjson
 
-from sidecar import snapshot
+from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from sidecar import metering, snapshot
+from sidecar.extproc import Processor
 from sidecar.config import parse
 from sidecar.decide import Request, authenticate, decide
 from sidecar.ingress import lookup
@@ -50,6 +61,115 @@ RESPONSE = orjson.dumps({
 })
 
 
+def processing_requests(i: int) -> list[bytes]:
+    """The two ext_proc messages Envoy sends for one chat request, serialized."""
+    h = pb.ProcessingRequest()
+    for k, v in ((":authority", "127.0.0.1:10000"), (":path", "/v1/chat/completions"), (":method", "POST"),
+                 (":scheme", "http"), ("content-type", "application/json"), ("authorization", f"Bearer sk-{i % 1000:04d}"),
+                 ("content-length", str(len(BODY))), ("x-forwarded-proto", "http"),
+                 ("x-request-id", f"12b8da34-3d86-4eb9-932d-70fb2396{i % 10000:04d}")):
+        x = h.request_headers.headers.headers.add()
+        x.key, x.raw_value = k, v.encode()
+    b = pb.ProcessingRequest()
+    b.request_body.body, b.request_body.end_of_stream = BODY, True
+    return [h.SerializeToString(), b.SerializeToString()]
+
+
+class _Runtime:
+    """What the ext_proc handler asks of the server: the snapshot and no backend states."""
+
+    def __init__(self, snap) -> None:
+        self.snapshot = snap
+
+    def backend_states(self):
+        return {}
+
+
+def handler_us(servicer, n: int = 5_000) -> float:
+    """µs per request through an ext_proc servicer's ``Process``: both messages decoded,
+    answered and the answers encoded, as grpc.aio would (without the transport)."""
+    wire = [processing_requests(i) for i in range(1000)]
+
+    async def one(msgs: list[bytes]) -> None:
+        async def incoming():
+            for m in msgs:
+                yield pb.ProcessingRequest.FromString(m)
+
+        async for resp in servicer.Process(incoming(), None):
+            resp.SerializeToString()
+
+    async def batch() -> float:
+        t = time.perf_counter()
+        for i in range(n):
+            await one(wire[i % len(wire)])
+        return time.perf_counter() - t
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(batch())  # warm-up
+        return min(loop.run_until_complete(batch()) for _ in range(5)) / n * 1e6
+    finally:
+        loop.close()
+
+
+ALS_BATCH = 16  # entries per access-log message (Envoy flushes at 16 KiB)
+
+
+def access_log_batch(n: int = ALS_BATCH) -> bytes:
+    """A serialized ``StreamAccessLogsMessage`` of ``n`` entries shaped like Envoy's for a routed request."""
+    msg = als_pb2.StreamAccessLogsMessage()
+    for i in range(n):
+        e = msg.http_logs.log_entry.add()
+        c = e.common_properties
+        c.downstream_remote_address.socket_address.address = "127.0.0.1"
+        c.downstream_remote_address.socket_address.port_value = 40000 + i
+        c.downstream_local_address.socket_address.address = "127.0.0.1"
+        c.downstream_local_address.socket_address.port_value = 10000
+        c.upstream_remote_address.socket_address.address = "127.0.0.1"
+        c.upstream_remote_address.socket_address.port_value = 8001
+        c.upstream_cluster = "pool-a"
+        c.route_name = "default"
+        c.start_time.GetCurrentTime()
+        for name, ns in (("time_to_last_rx_byte", 90_000), ("time_to_first_upstream_tx_byte", 800_000),
+                         ("time_to_last_upstream_tx_byte", 810_000), ("time_to_first_upstream_rx_byte", 1_200_000),
+                         ("time_to_last_upstream_rx_byte", 1_210_000), ("time_to_first_downstream_tx_byte", 1_300_000),
+                         ("time_to_last_downstream_tx_byte", 1_310_000), ("duration", 1_310_000)):
+            getattr(c, name).nanos = ns
+        c.metadata.filter_metadata[metering.NAMESPACE].update({
+            "kind": "routed", "request_id": f"12b8da34-3d86-4eb9-932d-70fb2396{i:04d}", "key_id": f"team-{i}",
+            "client_model": "chat", "upstream_model": "llama-3.1-8b", "backend": "pool-a", "family": "openai",
+            "experiment": "chat-ab", "variant": "control", "assignment": "sticky",
+            "x_experiment": "chat-ab", "x_experiment_variant": "control",
+        })
+        c.metadata.filter_metadata[metering.USAGE_NAMESPACE].update({"prompt_tokens": 24, "completion_tokens": 5})
+        r = e.request
+        r.request_method = base_pb2.POST
+        r.scheme, r.authority, r.path = "http", "127.0.0.1:10000", "/v1/chat/completions"
+        r.user_agent, r.request_id = "bench", f"12b8da34-3d86-4eb9-932d-70fb2396{i:04d}"
+        r.request_headers_bytes, r.request_body_bytes = 180, 200
+        e.response.response_code.value = 200
+        e.response.response_headers_bytes, e.response.response_body_bytes = 260, 310
+        e.response.response_code_details = "via_upstream"
+    return msg.SerializeToString()
+
+
+def access_log_us() -> float:
+    """µs per entry: decode a batch, then metrics and usage records as the AccessLogService does."""
+    raw = access_log_batch()
+    with tempfile.TemporaryDirectory() as d:
+        sink = metering.JsonLinesSink(os.path.join(d, "usage.jsonl"))
+        meter = metering.Meter(lambda backend, status: None, sink)
+
+        def batch():
+            message = als_pb2.StreamAccessLogsMessage.FromString(raw)
+            meter.record(metering.entry_of(x) for x in message.http_logs.log_entry)
+
+        try:
+            return per_call_us(batch, 2_000) / ALS_BATCH
+        finally:
+            sink.close()
+
+
 def per_call_us(fn, number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
 
@@ -75,6 +195,13 @@ def main() -> None:
     ]
     rw = SSERewriter("chat", "openai")
     rows.append(("SSE event rewrite (one ~200 B event)", per_call_us(lambda: rw.feed(CHUNK), 100_000)))
+    rows.append((f"access-log entry (decode in a batch of {ALS_BATCH}, metrics, usage record)", access_log_us()))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from minimal_extproc import MinimalProcessor
+
+    rows.append(("ext_proc handler, 2 messages with protobuf (model-router)", handler_us(Processor(_Runtime(snap)))))
+    rows.append(("ext_proc handler, 2 messages with protobuf (trivial processor)",
+                 handler_us(MinimalProcessor("pool-a", "llama-3.1-8b"))))
     width = max(len(r[0]) for r in rows)
     print(f"{'step':<{width}}  µs/call")
     print(f"{'-' * width}  -------")

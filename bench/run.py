@@ -1,7 +1,7 @@
 """End-to-end benchmark: model-router behind the real Envoy, against bare Envoy and a trivial ext_proc.
 
-    .venv/bin/python bench/run.py            # full run: 10 s per case after warm-up, about 10 minutes
-    .venv/bin/python bench/run.py --quick    # smoke test: 3 s per case, about 3 minutes
+    .venv/bin/python bench/run.py            # full run: 10 s per case after warm-up, about 13 minutes
+    .venv/bin/python bench/run.py --quick    # smoke test: 3 s per case, about 4 minutes
 
 The full run first waits (up to 10 minutes) for a 1-minute load average below
 0.7, and before each measurement waits while processes outside the run use
@@ -12,21 +12,27 @@ One run starts, on free 127.0.0.1 ports:
 
 - nginx (``return 200`` with a fixed chat completion) for non-streaming cases;
 - the model-router stack (``sidecar.stack.Stack``: the real Envoy, 2 sidecar
-  processes as 2 ext_proc endpoints, and a demo engine for paced SSE);
-- bare Envoy: the same bootstrap with the ext_proc filter removed and the
-  route's ``cluster_header`` replaced by a fixed cluster (one instance for
-  nginx, one for the demo engine);
-- the same Envoy bootstrap in front of ``bench/minimal_extproc.py`` (2
-  processes), a processor that only rewrites ``model``;
+  processes as 2 ext_proc endpoints, and a demo engine for paced SSE), with
+  its metering: the usage filters, the gRPC access log and the response
+  processor on the rewrite route;
+- the same model-router bootstrap without ``access_log``, in front of the same
+  2 sidecar processes: what the access log costs;
+- bare Envoy: the bootstrap with every router piece removed (both ext_proc
+  filters, the usage filters, the access log) and one fixed cluster (one
+  instance for nginx, one for the demo engine);
+- the bare bootstrap plus the request ext_proc filter in front of
+  ``bench/minimal_extproc.py`` (2 processes), a processor that only rewrites
+  ``model``;
 - optionally a second stack with 1 sidecar process.
 
 Load comes from separate processes: ``wrk`` with ``bench/chat.lua`` (closed
 loop), ``bench/openloop.py`` (fixed rate) and ``bench/ttft.py`` (time to first
 token). Every case runs its configurations in order in round 1 and in reverse
 order in round 2 (A B C | C B A). The output is one markdown table with ratios to
-bare Envoy, the targets and whether each was met, errors per case and the
-processors' CPU per request from ``/proc/<pid>/stat``. Every process started
-is stopped at the end, also on Ctrl-C, SIGTERM or an error.
+bare Envoy, the targets and whether each was met, errors per case, ext_proc
+messages per request (Envoy's counters) and the processors' CPU per request
+from ``/proc/<pid>/stat``. Every process started is stopped at the end, also
+on Ctrl-C, SIGTERM or an error.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import http.client
 import json
 import os
 import platform
@@ -60,7 +67,7 @@ import _http  # noqa: E402
 
 from sidecar import config as config_mod  # noqa: E402
 from sidecar import envoyconf  # noqa: E402
-from sidecar.stack import Stack, envoy_binary, free_port  # noqa: E402
+from sidecar.stack import Stack, StackError, envoy_binary, free_port  # noqa: E402
 from sidecar.stack import wait_http as stack_wait_http, wait_tcp as stack_wait_tcp  # noqa: E402
 
 KEYS = 1000
@@ -78,13 +85,19 @@ NGINX_RESPONSE = (
 )
 
 TARGETS = {
+    "msgs_per_req": 2.0,  # request-filter ext_proc messages per request, exactly
     "throughput": 0.90,  # router c32 req/s / trivial ext_proc c32 req/s
     "p50_added_ms": 1.0,
     "p99_added_ms": 2.5,
     "ttft_added_ms": 2.0,
     "stream_upstream": 0.95,  # "keeps the bare-Envoy rate", within run-to-run noise
-    "stream_client": 0.80,
+    "stream_client": 0.75,
 }
+EXT_PROC = "envoy.filters.http.ext_proc"
+COUNT_REQUESTS = 500  # sequential requests per configuration for the exact message count
+FLUSH_SETTLE_S = 1.2  # > metering.flush_interval_ms (default 1000)
+RESPONSE_FILTER = getattr(envoyconf, "RESPONSE_FILTER", "envoy.filters.http.ext_proc/response")
+METERING_FILTERS = {"envoy.filters.http.json_to_metadata", "envoy.filters.http.sse_to_metadata"}
 
 
 def router_config(nginx_url: str) -> str:
@@ -233,18 +246,56 @@ def start_nginx(procs: Procs, workdir: Path) -> str:
     return f"127.0.0.1:{port}"
 
 
-def bare_bootstrap(boot: dict, cluster: str) -> dict:
-    """``boot`` without the ext_proc filter, its route sending everything to ``cluster``."""
-    boot = copy.deepcopy(boot)
+def _hcms(boot: dict):
     for listener in boot["static_resources"]["listeners"]:
         for chain in listener["filter_chains"]:
             for f in chain["filters"]:
-                hcm = f["typed_config"]
-                hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] != "envoy.filters.http.ext_proc"]
-                for vh in hcm["route_config"]["virtual_hosts"]:
-                    for r in vh["routes"]:
-                        r["route"].pop("cluster_header", None)
-                        r["route"]["cluster"] = cluster
+                yield f["typed_config"]
+
+
+def _strip_metering(hcm: dict) -> None:
+    """Remove what only the metering needs: usage filters, the response
+    processor (and the route that selects it), the access log, attribution headers."""
+    hcm.pop("access_log", None)
+    hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] not in METERING_FILTERS]
+    for h in hcm["http_filters"]:
+        up = h.get("typed_config", {}).get("upstream_http_filters")
+        if up is not None:
+            h["typed_config"]["upstream_http_filters"] = [u for u in up if u["name"] != RESPONSE_FILTER]
+    rc = hcm["route_config"]
+    rc.pop("response_headers_to_add", None)
+    for vh in rc["virtual_hosts"]:
+        vh["routes"] = [r for r in vh["routes"] if r.get("name") != "rewrite"] or vh["routes"][-1:]
+        for r in vh["routes"]:
+            r.pop("typed_per_filter_config", None)
+
+
+def bare_bootstrap(boot: dict, cluster: str) -> dict:
+    """``boot`` without any router piece, every request sent to ``cluster``."""
+    boot = copy.deepcopy(boot)
+    for hcm in _hcms(boot):
+        _strip_metering(hcm)
+        hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] != EXT_PROC]
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            for r in vh["routes"]:
+                r["route"].pop("cluster_header", None)
+                r["route"]["cluster"] = cluster
+    return boot
+
+
+def trivial_bootstrap(boot: dict) -> dict:
+    """``boot`` with only the request ext_proc filter: routing on its header, no metering."""
+    boot = copy.deepcopy(boot)
+    for hcm in _hcms(boot):
+        _strip_metering(hcm)
+    return boot
+
+
+def no_access_log_bootstrap(boot: dict) -> dict:
+    """``boot`` as the router runs it, minus the gRPC access log."""
+    boot = copy.deepcopy(boot)
+    for hcm in _hcms(boot):
+        hcm.pop("access_log", None)
     return boot
 
 
@@ -259,6 +310,7 @@ class Target:
     envoy_pid: int
     processor_pids: list[int] = field(default_factory=list)
     upstream_pid: int | None = None
+    processor_admins: list[str] = field(default_factory=list)  # sidecar admin addresses (/metrics)
 
 
 def start_envoy(procs: Procs, workdir: Path, name: str, boot: dict) -> tuple[str, str, int]:
@@ -329,21 +381,46 @@ def foreign_ticks() -> dict[int, tuple[str, int]]:
     return out
 
 
-def ext_proc_msgs(admin: str) -> int:
+def _get(url: str) -> str:
     try:
-        text = urllib.request.urlopen(f"http://{admin}/stats?filter=ext_proc.stream_msgs_sent", timeout=5).read().decode()
+        return urllib.request.urlopen(url, timeout=5).read().decode()
     except (urllib.error.URLError, OSError):
-        return 0
-    total = 0
+        return ""
+
+
+def envoy_counters(admin: str) -> dict[str, int]:
+    """Envoy's counters for one window: requests on the public listener,
+    messages sent by the request ext_proc filter and by the response processor,
+    and access-log entries written."""
+    text = _get(f"http://{admin}/stats?filter=(stream_msgs_sent|downstream_rq_total|grpc_access_log.logs_written)")
+    out = {"rq": 0, "msgs": 0, "resp_msgs": 0, "als": 0}
     for line in text.splitlines():
         name, _, value = line.partition(": ")
-        if name.endswith("ext_proc.stream_msgs_sent") and value.strip().isdigit():
-            total += int(value)
+        if not value.strip().isdigit():
+            continue
+        if name == "http.model_router.downstream_rq_total":
+            out["rq"] += int(value)
+        elif name.endswith("response.stream_msgs_sent"):
+            out["resp_msgs"] += int(value)
+        elif name.endswith("ext_proc.stream_msgs_sent"):
+            out["msgs"] += int(value)
+        elif name.endswith("logs_written"):
+            out["als"] += int(value)
+    return out
+
+
+def sidecar_entries(admins: list[str]) -> float:
+    """Access-log entries the sidecar processes received (``model_router_access_log_entries_total``)."""
+    total = 0.0
+    for admin in admins:
+        for line in _get(f"http://{admin}/metrics").splitlines():
+            if line.startswith("model_router_access_log_entries_total "):
+                total += float(line.split()[1])
     return total
 
 
 class Sample:
-    """CPU and ext_proc counters of one target around one measured window."""
+    """CPU and Envoy/sidecar counters of one target around one measured window."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -353,7 +430,8 @@ class Sample:
         up = [target.upstream_pid, *children(target.upstream_pid)] if target.upstream_pid else []
         self.upstream_pids = up
         self.upstream = sum(proc_ticks(p) for p in up)
-        self.msgs = ext_proc_msgs(target.envoy_admin) if target.processor_pids else 0
+        self.counters = envoy_counters(target.envoy_admin)
+        self.entries = sidecar_entries(target.processor_admins)
         self.foreign = foreign_ticks()
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
         self.children_cpu = ru.ru_utime + ru.ru_stime
@@ -370,14 +448,21 @@ class Sample:
                 foreign += d
                 top.append((d, comm))
         top.sort(reverse=True)
+        c = {k: later.counters[k] - self.counters[k] for k in self.counters}
+        rq = max(c["rq"], 1)
+        proc = bool(self.target.processor_pids)
         return {
             "envoy_us": (later.envoy - self.envoy) * per,
-            "processor_us": (later.processors - self.processors) * per if self.target.processor_pids else None,
+            "processor_us": (later.processors - self.processors) * per if proc else None,
             "upstream_us": (later.upstream - self.upstream) * per if self.upstream_pids else None,
             "envoy_pct": 100 * (later.envoy - self.envoy) / CLK_TCK / secs,
             "upstream_pct": 100 * (later.upstream - self.upstream) / CLK_TCK / secs,
             "processor_pct": 100 * (later.processors - self.processors) / CLK_TCK / secs,
-            "msgs_per_req": (later.msgs - self.msgs) / max(done, 1) if self.target.processor_pids else None,
+            "envoy_requests": c["rq"],
+            "msgs_per_req": c["msgs"] / rq if proc else None,
+            "resp_msgs_per_req": c["resp_msgs"] / rq if proc else None,
+            "als_written_per_req": c["als"] / rq,
+            "als_received_per_req": (later.entries - self.entries) / rq if self.target.processor_admins else None,
             "foreign_pct": 100 * foreign / CLK_TCK / secs,
             "foreign_top": [f"{c} {100 * d / CLK_TCK / secs:.0f}%" for d, c in top[:3]],
         }
@@ -386,10 +471,10 @@ class Sample:
 # --------------------------------------------------------------------------- load generators
 
 
-def run_wrk(listen: str, connections: int, seconds: int, model: str, stream: bool) -> dict:
+def run_wrk(listen: str, connections: int, seconds: int, model: str, stream: bool, usage: bool = False) -> dict:
     env = dict(
         os.environ, BENCH_MODEL=model, BENCH_KEYS=str(KEYS), BENCH_STREAM="1" if stream else "0",
-        BENCH_EVENTS=str(STREAM_EVENTS), BENCH_INTERVAL_MS=str(STREAM_INTERVAL_MS),
+        BENCH_EVENTS=str(STREAM_EVENTS), BENCH_INTERVAL_MS=str(STREAM_INTERVAL_MS), BENCH_USAGE="1" if usage else "0",
     )
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(BENCH / "chat.lua"),
             f"http://{listen}{_http.PATH}"]
@@ -420,10 +505,11 @@ def run_openloop(listen: str, rate: float, seconds: int, warmup: int, model: str
     return r
 
 
-def run_ttft(listen: str, count: int, warmup: int, model: str, max_seconds: float) -> dict:
+def run_ttft(listen: str, count: int, warmup: int, model: str, max_seconds: float, usage: bool = False) -> dict:
     argv = [sys.executable, str(BENCH / "ttft.py"), "--target", listen, "--model", model, "--keys", str(KEYS),
             "--count", str(count), "--warmup", str(warmup), "--events", str(STREAM_EVENTS),
-            "--interval-ms", str(STREAM_INTERVAL_MS), "--max-seconds", str(max_seconds)]
+            "--interval-ms", str(STREAM_INTERVAL_MS), "--max-seconds", str(max_seconds)] + (
+        ["--include-usage"] if usage else [])
     out = subprocess.run(argv, capture_output=True, text=True, timeout=max_seconds + 60)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("TTFT ")), None)
     if line is None:
@@ -437,8 +523,8 @@ def run_ttft(listen: str, count: int, warmup: int, model: str, max_seconds: floa
 # --------------------------------------------------------------------------- sanity checks
 
 
-def post(listen: str, model: str, stream: bool = False) -> tuple[int, dict, bytes]:
-    body = _http.chat_body(model, stream)
+def post(listen: str, model: str, stream: bool = False, usage: bool = False) -> tuple[int, dict, bytes]:
+    body = _http.chat_body(model, stream, usage)
     headers = {"content-type": "application/json", "authorization": f"Bearer {_http.key(7)}"}
     if stream:
         headers.update({"x-demo-interval-ms": str(STREAM_INTERVAL_MS), "x-demo-events": str(STREAM_EVENTS)})
@@ -461,15 +547,59 @@ def check_json(name: str, listen: str, model: str, experiment: bool) -> None:
         raise BenchError(f"{name}: no experiment header in {headers}")
 
 
-def check_stream(name: str, listen: str, model: str, expect_model: set[str]) -> None:
-    status, headers, body = post(listen, model, stream=True)
+def check_stream(name: str, listen: str, cfg_model: str, expect_model: set[str], usage: bool = False) -> None:
+    """A paced stream arrives whole, with the expected model, and with a usage event only when asked for."""
+    status, _, body = post(listen, cfg_model, stream=True, usage=usage)
     events = [ln[5:].strip() for ln in body.decode().splitlines() if ln.startswith("data:")]
     if status != 200 or not events or events[-1] != "[DONE]":
         raise BenchError(f"{name}: status {status}, stream {body[:300]!r}")
-    models = {json.loads(e).get("model") for e in events[:-1]}
-    content = [e for e in events[:-1] if json.loads(e)["choices"] and json.loads(e)["choices"][0]["delta"].get("content")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    models = {c.get("model") for c in chunks}
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    usage_events = [c for c in chunks if c.get("usage")]
     if not models <= expect_model or len(content) != STREAM_EVENTS:
         raise BenchError(f"{name}: models {models} (want {expect_model}), {len(content)} content events")
+    if bool(usage_events) != usage:
+        raise BenchError(f"{name}: {len(usage_events)} usage events, client asked for usage: {usage}")
+
+
+def check_metering(stack: Stack, models: set[str], deadline_s: float = 5.0) -> None:
+    """The checks' requests reached the usage records, with token counts."""
+    path = Path(stack.usage_records)
+    end = time.monotonic() + deadline_s
+    while True:
+        recs = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+        counted = {r["client_model"] for r in recs if r.get("completion_tokens") is not None}
+        if models <= counted:
+            return
+        if time.monotonic() > end:
+            raise BenchError(f"usage records without tokens for {sorted(models - counted)} in {path}")
+        time.sleep(0.2)
+
+
+def count_messages(target: Target, model: str, n: int) -> dict:
+    """ext_proc messages per request over ``n`` sequential keep-alive requests: none is cut
+    at a window's edge, so the ratio of Envoy's counters is exact."""
+    body = _http.chat_body(model)
+    before = envoy_counters(target.envoy_admin)
+    conn = http.client.HTTPConnection(target.listen, timeout=10)
+    bad = 0
+    try:
+        for i in range(n):
+            conn.request("POST", _http.PATH, body=body, headers={
+                "content-type": "application/json", "authorization": f"Bearer {_http.key(i % KEYS)}"})
+            resp = conn.getresponse()
+            resp.read()
+            bad += resp.status >= 400
+    except (OSError, http.client.HTTPException) as exc:
+        raise BenchError(f"counting messages on {target.label}: {exc}") from exc
+    finally:
+        conn.close()
+    after = envoy_counters(target.envoy_admin)
+    c = {k: after[k] - before[k] for k in before}
+    rq = max(c["rq"], 1)
+    return {"requests": c["rq"], "msgs_per_req": c["msgs"] / rq, "resp_msgs_per_req": c["resp_msgs"] / rq,
+            "non2xx": bad, "round": 1}
 
 
 # --------------------------------------------------------------------------- the run
@@ -481,6 +611,7 @@ class Config:
     label: str
     target: Target
     model: str
+    usage: bool = False  # streams: the client asks for its usage event itself
 
 
 @dataclass
@@ -527,16 +658,17 @@ class Runner:
         t = cfg.target
         if case.kind == "wrk":
             if self.warmup:
-                run_wrk(t.listen, case.connections, self.warmup, cfg.model, case.stream)
+                run_wrk(t.listen, case.connections, self.warmup, cfg.model, case.stream, cfg.usage)
             before = Sample(t)
-            r = run_wrk(t.listen, case.connections, self.seconds, cfg.model, case.stream)
+            r = run_wrk(t.listen, case.connections, self.seconds, cfg.model, case.stream, cfg.usage)
         elif case.kind == "openloop":
+            time.sleep(FLUSH_SETTLE_S)  # the previous window's last access-log flush lands before this one
             before = Sample(t)
             r = run_openloop(t.listen, case.rate, self.seconds, self.warmup, cfg.model)
         else:
             before = Sample(t)
             r = run_ttft(t.listen, self.ttft_count, 3 if self.quick else 5, cfg.model,
-                         max_seconds=4 * self.seconds + 20)
+                         max_seconds=4 * self.seconds + 20, usage=cfg.usage)
         r.update(before.delta(r.get("requests_all", r["requests"])))
         gen = resource.getrusage(resource.RUSAGE_CHILDREN)
         r["generator_pct"] = 100 * (gen.ru_utime + gen.ru_stime - before.children_cpu) / max(time.monotonic() - before.t, 1e-3)
@@ -593,7 +725,8 @@ def short(case: Case, r: dict) -> str:
     else:
         s = f"TTFT p50 {r['ttft_p50_us'] / 1000:6.2f} ms p90 {r['ttft_p90_us'] / 1000:6.2f} ms ({r['ok']} streams)"
     if r.get("processor_us") is not None:
-        s += f"  proc {r['processor_us']:.0f} µs/req ({r['msgs_per_req']:.2f} msgs)"
+        s += f"  proc {r['processor_us']:.0f} µs/req ({r['msgs_per_req']:.2f}+{r['resp_msgs_per_req']:.2f} msgs"
+        s += f", log {r['als_received_per_req']:.2f})" if r.get("als_received_per_req") is not None else ")"
     s += f"  envoy {r['envoy_us']:.0f} µs/req  generator {r['generator_pct']:.0f}%  other {r['foreign_pct']:.0f}%"
     return s + (f"  ERRORS {err}" if err != "0" else "")
 
@@ -675,9 +808,25 @@ def fmt(x: float, digits: int = 2) -> str:
     return f"{x:,.{digits}f}"
 
 
+LABELS = {
+    "bare": "bare Envoy",
+    "bare-sse": "bare Envoy",
+    "minimal": "trivial ext_proc, 2 processes",
+    "minimal-sse": "trivial ext_proc, 2 processes",
+    "router": "model-router, experiment, 2 processes",
+    "router-noexp": "model-router, model without experiment, 2 processes",
+    "router-nolog": "model-router, experiment, access log removed, 2 processes",
+    "router1": "model-router, experiment, 1 process",
+    "router-up": "model-router, experiment, response_model: upstream (router adds and strips the usage event)",
+    "router-up-usage": "model-router, experiment, response_model: upstream, client asks for usage",
+    "router-client": "model-router, experiment, response_model: client",
+    "router-plain": "model-router, model without experiment",
+}
+
+
 class Table:
     HEAD = ("case", "configuration", "rounds", "value", "vs bare Envoy", "target", "met", "errors",
-            "processor CPU µs/req (msgs/req)", "Envoy CPU µs/req")
+            "ext_proc msgs/req (request + response)", "processor CPU µs/req", "Envoy CPU µs/req")
 
     def __init__(self, runner: Runner) -> None:
         self.r = runner
@@ -688,60 +837,54 @@ class Table:
         return self.r.results.get((case, cfg), [])
 
     def vals(self, case: str, cfg: str, field_: str, scale: float = 1.0) -> list[float]:
-        return [x[field_] * scale for x in self.res(case, cfg)]
+        return [x[field_] * scale for x in self.res(case, cfg) if x.get(field_) is not None]
 
-    def cpu(self, case: str, cfg: str) -> tuple[str, str]:
-        rs = self.res(case, cfg)
-        if not rs:
-            return "–", "–"
-        proc = [x["processor_us"] for x in rs if x.get("processor_us") is not None]
-        msgs = [x["msgs_per_req"] for x in rs if x.get("msgs_per_req") is not None]
-        envoy = mean([x["envoy_us"] for x in rs])
-        ptxt = "–"
-        if proc:
-            ptxt = f"{mean(proc):.0f} ({mean(msgs):.2f}; {mean(proc) / max(mean(msgs), 1e-9):.0f}/msg)"
-        return ptxt, f"{envoy:.0f}"
+    def cpu(self, case: str, cfg: str) -> tuple[str, str, str]:
+        """The accounting columns: messages per request, processor CPU, Envoy CPU."""
+        if not self.res(case, cfg):
+            return "–", "–", "–"
+        msgs, resp = mean(self.vals(case, cfg, "msgs_per_req")), mean(self.vals(case, cfg, "resp_msgs_per_req"))
+        mtxt = "–" if msgs != msgs else f"{msgs:.2f}" + (f" + {resp:.2f}" if resp >= 0.005 else "")
+        proc = mean(self.vals(case, cfg, "processor_us"))
+        return mtxt, fmt(proc, 0), fmt(mean(self.vals(case, cfg, "envoy_us")), 0)
 
     def errors(self, case: str, cfg: str) -> str:
         texts = [errors_text(x) for x in self.res(case, cfg)]
         return "0" if all(t == "0" for t in texts) else " / ".join(texts)
 
-    def add(self, case_label, cfg_label, rounds, value, vs, target="", met=None, errors="", cpu=("–", "–")):
+    def add(self, case_label, cfg_label, rounds, value, vs, target="", met=None, errors="", cpu=("–", "–", "–")):
         mark = "" if met is None else ("**met**" if met else "**not met**")
         self.rows.append((case_label, cfg_label, rounds, value, vs, target, mark, errors, *cpu))
         if met is not None:
             self.verdicts.append((f"{case_label} / {cfg_label}: {target}", met))
 
-    def rate_rows(self, case: str, case_label: str, bare: str, rows: list[tuple[str, str]], unit: str) -> dict:
+    def rate_target(self, case: str, cfg: str, v: float, base: float) -> tuple[str, bool | None]:
+        if case == "c32" and cfg == "router":
+            triv = mean(self.vals(case, "minimal", "rps"))
+            ratio = v / triv if triv == triv and triv else float("nan")
+            return f"≥ {TARGETS['throughput']:.2f}× trivial ext_proc (is {ratio:.2f}×)", ratio >= TARGETS["throughput"]
+        if case == "sse" and cfg in ("router-up", "router-up-usage"):
+            return f"≥ {TARGETS['stream_upstream']:.2f}× bare", v / base >= TARGETS["stream_upstream"]
+        if case == "sse" and cfg == "router-client":
+            return f"≥ {TARGETS['stream_client']:.2f}× bare", v / base >= TARGETS["stream_client"]
+        return "", None
+
+    def rate_rows(self, case: str, case_label: str, bare: str, cfgs: list[str], unit: str) -> None:
         base = mean(self.vals(case, bare, "rps"))
-        means = {}
-        for cfg, label in [(bare, "bare Envoy"), *rows]:
+        for cfg in [bare, *cfgs]:
             v = self.vals(case, cfg, "rps")
             if not v:
                 continue
-            means[cfg] = mean(v)
             rounds = " / ".join(fmt(x, 0) for x in v)
             vs = "1" if cfg == bare else f"{mean(v) / base:.3f}×"
-            target, met = "", None
-            if case == "c32" and cfg == "router":
-                triv = mean(self.vals(case, "minimal", "rps"))
-                ratio = mean(v) / triv if triv == triv and triv else float("nan")
-                target = f"≥ {TARGETS['throughput']:.2f}× trivial ext_proc (is {ratio:.2f}×)"
-                met = ratio >= TARGETS["throughput"]
-            if case == "sse" and cfg in ("router-up", "router-plain"):
-                target = f"keeps bare rate (≥ {TARGETS['stream_upstream']:.2f}×)"
-                met = mean(v) / base >= TARGETS["stream_upstream"]
-            if case == "sse" and cfg == "router-client":
-                target = f"≥ {TARGETS['stream_client']:.2f}× bare"
-                met = mean(v) / base >= TARGETS["stream_client"]
-            self.add(case_label, label, rounds, f"{fmt(mean(v), 0)} {unit}", vs, target, met,
+            target, met = self.rate_target(case, cfg, mean(v), base)
+            self.add(case_label, LABELS[cfg], rounds, f"{fmt(mean(v), 0)} {unit}", vs, target, met,
                      self.errors(case, cfg), self.cpu(case, cfg))
-        return means
 
-    def latency_rows(self, case: str, case_label: str, bare: str, rows: list[tuple[str, str]], field_: str,
-                     target_key: str | None, what: str) -> None:
+    def latency_rows(self, case: str, case_label: str, bare: str, cfgs: list[str], field_: str,
+                     target_key: str | None = None, targeted: tuple[str, ...] = ()) -> None:
         base = mean(self.vals(case, bare, field_, 1e-3))
-        for cfg, label in [(bare, "bare Envoy"), *rows]:
+        for cfg in [bare, *cfgs]:
             v = self.vals(case, cfg, field_, 1e-3)
             if not v:
                 continue
@@ -749,38 +892,77 @@ class Table:
             added = mean(v) - base
             vs = "–" if cfg == bare else f"{added:+.2f} ms"
             target, met = "", None
-            if target_key and cfg.startswith("router") and cfg != "router1":
-                target = f"≤ +{TARGETS[target_key]:.1f} ms {what}"
+            if target_key and cfg in targeted:
+                target = f"≤ +{TARGETS[target_key]:.1f} ms added"
                 met = added <= TARGETS[target_key]
-            self.add(case_label, label, rounds, f"{fmt(mean(v))} ms", vs, target, met,
+            self.add(case_label, LABELS[cfg], rounds, f"{fmt(mean(v))} ms", vs, target, met,
                      self.errors(case, cfg), self.cpu(case, cfg))
+
+    def msgs_rows(self, case: str, case_label: str, cfgs: list[str], targeted: str | None) -> None:
+        """Request-filter ext_proc messages per request, from Envoy's counters (response processor apart)."""
+        for cfg in cfgs:
+            v = self.vals(case, cfg, "msgs_per_req")
+            if not v:
+                continue
+            target, met = "", None
+            if cfg == targeted:
+                target = f"= {TARGETS['msgs_per_req']:.0f} exactly"
+                met = all(abs(x - TARGETS["msgs_per_req"]) < 1e-9 for x in v)
+            resp = mean(self.vals(case, cfg, "resp_msgs_per_req"))
+            value = f"{mean(v):.3f}" + (f" + {resp:.2f} response" if resp >= 0.005 else "")
+            self.add(case_label, LABELS[cfg], " / ".join(f"{x:.3f}" for x in v), value, "–", target, met,
+                     self.errors(case, cfg), self.cpu(case, cfg))
+
+    def access_log_rows(self, case: str, case_label: str) -> None:
+        """Sidecar CPU per request with the access log minus without it, round by round."""
+        on, off = self.vals(case, "router", "processor_us"), self.vals(case, "router-nolog", "processor_us")
+        if not on or not off:
+            return
+        diffs = [a - b for a, b in zip(on, off)]
+        entries = mean(self.vals(case, "router", "als_received_per_req"))
+        self.add(case_label, "model-router, experiment: with − without access log", " / ".join(fmt(x, 0) for x in diffs),
+                 f"{fmt(mean(diffs), 0)} µs/req", "–", f"{fmt(mean(on), 0)} − {fmt(mean(off), 0)} µs/req; "
+                 f"{entries:.2f} entries received per request", None, self.errors(case, "router"),
+                 ("–", "–", "–"))
 
     def build(self) -> None:
         r = self.r
-        non_stream = [("minimal", "trivial ext_proc, 2 processes"), ("router", "model-router, 2 processes")]
-        if r.args.one_process:
-            non_stream.append(("router1", "model-router, 1 process"))
-        c32 = non_stream[:2] + [("router-noexp", "model-router, model without experiment, 2 processes")] + non_stream[2:]
-        self.rate_rows("c32", "req/s, 32 connections", "bare", c32, "req/s")
-        self.latency_rows("c32", "p99, 32 connections", "bare", c32, "p99_us", None, "")
-        self.latency_rows("c1", "p50, 1 connection", "bare", non_stream, "p50_us", "p50_added_ms", "added")
-        self.latency_rows("c1", "p99, 1 connection", "bare", non_stream, "p99_us", "p99_added_ms", "added")
-        open_rows = [x for x in non_stream if x[0] != "router1"]
+        one = ["router1"] if r.args.one_process else []
+        self.rate_rows("c32", "req/s, 32 connections", "bare",
+                       ["minimal", "router", "router-noexp", "router-nolog", *one], "req/s")
+        self.msgs_rows("count", f"ext_proc messages/request, {COUNT_REQUESTS} sequential requests",
+                       ["minimal", "router", "router-noexp", "router-nolog", *one], "router")
+        self.latency_rows("c32", "p99, 32 connections", "bare", ["minimal", "router", "router-noexp", "router-nolog", *one],
+                          "p99_us")
+        self.latency_rows("c1", "p50, 1 connection", "bare", ["minimal", "router", *one], "p50_us",
+                          "p50_added_ms", ("router",))
+        self.latency_rows("c1", "p99, 1 connection", "bare", ["minimal", "router", *one], "p99_us",
+                          "p99_added_ms", ("router",))
         for case, share in (("open", "½"), ("open-q", "¼")):
-            rate = mean([x["rate"] for rs in [self.res(case, "router")] for x in rs])
+            rate = mean([x["rate"] for x in self.res(case, "router")])
             label = f"open loop {rate:,.0f} req/s ({share} saturation)"
-            self.latency_rows(case, f"p50, {label}", "bare", open_rows, "p50_us", None, "")
-            self.latency_rows(case, f"p99, {label}", "bare", open_rows, "p99_us", None, "")
-        stream_rows = [("router-up", "model-router, experiment, response_model: upstream"),
-                       ("router-client", "model-router, experiment, response_model: client"),
-                       ("router-plain", "model-router, model without experiment")]
-        self.rate_rows("sse", "paced SSE streams/s, 32 connections", "bare-sse", stream_rows, "streams/s")
-        self.latency_rows("ttft", "TTFT p50, 1 connection", "bare-sse", stream_rows, "ttft_p50_us",
-                          "ttft_added_ms", "added")
+            cfgs = ["minimal", "router", "router-nolog"]
+            self.latency_rows(case, f"p50, {label}", "bare", cfgs, "p50_us")
+            self.latency_rows(case, f"p99, {label}", "bare", cfgs, "p99_us")
+        rate = mean([x["rate"] for x in self.res("open", "router")])
+        self.access_log_rows("open", f"access log: sidecar CPU per request, open loop {rate:,.0f} req/s")
+        self.access_log_rows("c32", "access log: sidecar CPU per request, 32 connections")
         d = r.decision
+        als = d.get("rows", {}).get(next((k for k in d.get("rows", {}) if k.startswith("access-log entry")), ""), None)
+        self.add("access log: one entry in-process (bench/decision.py)", "model-router", "–",
+                 f"{als:.1f} µs/entry" if als is not None else d.get("error", "–"), "–")
+        streams = ["minimal-sse", "router-up", "router-up-usage", "router-client", "router-plain"]
+        self.rate_rows("sse", "paced SSE streams/s, 32 connections", "bare-sse", streams, "streams/s")
+        self.msgs_rows("ttft", "ext_proc messages/stream, paced SSE, sequential", streams, None)
+        self.latency_rows("ttft", "TTFT p50, 1 connection", "bare-sse", streams, "ttft_p50_us",
+                          "ttft_added_ms", ("router-up", "router-up-usage"))
         self.add("in-process decision (bench/decision.py)", "model-router", "–",
-                 f"{d['total_us']:.1f} µs/req" if "total_us" in d else d.get("error", "–"),
-                 "–", "", None, "", ("–", "–"))
+                 f"{d['total_us']:.1f} µs/req" if "total_us" in d else d.get("error", "–"), "–")
+        for who in ("model-router", "trivial processor"):
+            us = d.get("rows", {}).get(f"ext_proc handler, 2 messages with protobuf ({who})")
+            if us is not None:
+                self.add("in-process ext_proc handler, both messages with protobuf (bench/decision.py)",
+                         LABELS["minimal"] if who != "model-router" else "model-router", "–", f"{us:.1f} µs/req", "–")
 
     def markdown(self) -> str:
         lines = ["| " + " | ".join(self.HEAD) + " |", "|" + "|".join("---" for _ in self.HEAD) + "|"]
@@ -791,7 +973,120 @@ class Table:
 # --------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def start_router_stack(cfg_path: Path, workdir: Path, sidecars: int, stacks: list[Stack]) -> tuple[Stack, dict]:
+    d = workdir / f"stack{sidecars}"
+    d.mkdir()
+    stack = Stack(cfg_path, sidecars=sidecars, workdir=d)
+    stacks.append(stack)
+    stack.start()
+    return stack, {name: p.popen.pid for name, p in stack._procs.items()}
+
+
+def start_minimal(procs: Procs, backend: str, model: str, n: int = 2) -> tuple[list[str], list[int]]:
+    """``n`` trivial processors sending every request to ``backend`` as ``model``."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    names = [f"minimal-{backend}-{i}" for i in range(n)]
+    pids = []
+    for name, addr in zip(names, addrs):
+        p = procs.spawn(name, [sys.executable, str(BENCH / "minimal_extproc.py"), "--listen", addr,
+                               "--backend", backend, "--model", model])
+        pids.append(p.pid)
+    for name, addr in zip(names, addrs):
+        wait_tcp(addr, time.monotonic() + 30, lambda name=name: procs.check(name))
+    return addrs, pids
+
+
+def start_trivial(procs: Procs, workdir: Path, cfg, stack: Stack, backend: str, model: str) -> tuple[str, str, int, list[int]]:
+    """The trivial processors for ``backend`` behind the router's bootstrap minus its metering."""
+    addrs, pids = start_minimal(procs, backend, model)
+    boot = envoyconf.bootstrap(cfg, sidecar_addresses=addrs, backend_urls=stack.demo_urls,
+                               listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
+    listen, admin, pid = start_envoy(procs, workdir, f"envoy-minimal-{backend}", trivial_bootstrap(boot))
+    return listen, admin, pid, pids
+
+
+def start_targets(args, procs: Procs, workdir: Path, stacks: list[Stack]) -> dict[str, Target]:
+    """Every process of the run; the Envoy listeners keyed by configuration."""
+    nginx = start_nginx(procs, workdir)
+    cfg_path = workdir / "router.yaml"
+    cfg_path.write_text(router_config(f"http://{nginx}"))
+    cfg = config_mod.load(cfg_path).config
+    print("starting: nginx, model-router stack (2 sidecars), bare Envoy, trivial ext_proc", file=sys.stderr, flush=True)
+    stack, sp = start_router_stack(cfg_path, workdir, 2, stacks)
+    nginx_pid = procs.items["nginx"].pid
+    engine_pid = sp[f"demo-{ENGINE_BACKEND}"]
+    sidecars = [sp["sidecar-0"], sp["sidecar-1"]]
+    t = {
+        "router": Target("router", LABELS["router"], stack.listen, stack.envoy_admin, sp["envoy"], sidecars,
+                         nginx_pid, list(stack.sidecar_admin)),
+        "router-sse": Target("router", LABELS["router"], stack.listen, stack.envoy_admin, sp["envoy"], sidecars,
+                             engine_pid, list(stack.sidecar_admin)),
+    }
+    boot = envoyconf.bootstrap(cfg, sidecar_addresses=stack.sidecar_grpc, backend_urls=stack.demo_urls,
+                               listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
+    listen, admin, pid = start_envoy(procs, workdir, "envoy-nolog", no_access_log_bootstrap(boot))
+    t["router-nolog"] = Target("router-nolog", LABELS["router-nolog"], listen, admin, pid, sidecars, nginx_pid,
+                               list(stack.sidecar_admin))
+    listen, admin, pid = start_envoy(procs, workdir, "envoy-bare", bare_bootstrap(boot, NGINX_BACKEND))
+    t["bare"] = Target("bare", "bare Envoy", listen, admin, pid, [], nginx_pid)
+    listen, admin, pid = start_envoy(procs, workdir, "envoy-bare-sse", bare_bootstrap(boot, ENGINE_BACKEND))
+    t["bare-sse"] = Target("bare-sse", "bare Envoy", listen, admin, pid, [], engine_pid)
+    listen, admin, pid, pids = start_trivial(procs, workdir, cfg, stack, NGINX_BACKEND, "llama-3.1-8b")
+    t["minimal"] = Target("minimal", LABELS["minimal"], listen, admin, pid, pids, nginx_pid)
+    listen, admin, pid, pids = start_trivial(procs, workdir, cfg, stack, ENGINE_BACKEND, "llama-s")
+    t["minimal-sse"] = Target("minimal-sse", LABELS["minimal"], listen, admin, pid, pids, engine_pid)
+    if args.one_process:
+        stack1, sp1 = start_router_stack(cfg_path, workdir, 1, stacks)
+        t["router1"] = Target("router1", LABELS["router1"], stack1.listen, stack1.envoy_admin, sp1["envoy"],
+                              [sp1["sidecar-0"]], nginx_pid, list(stack1.sidecar_admin))
+    return t
+
+
+def sanity_checks(t: dict[str, Target], stack: Stack) -> None:
+    """Every configuration answers as it should before anything is measured."""
+    check_json("bare Envoy", t["bare"].listen, "chat", experiment=False)
+    check_json("trivial ext_proc", t["minimal"].listen, "chat", experiment=False)
+    check_json("model-router", t["router"].listen, "chat", experiment=True)
+    check_json("model-router without access log", t["router-nolog"].listen, "chat", experiment=True)
+    check_json("model-router, model without experiment", t["router"].listen, "plain", experiment=False)
+    if "router1" in t:
+        check_json("model-router (1 process)", t["router1"].listen, "chat", experiment=True)
+    check_stream("bare Envoy (SSE)", t["bare-sse"].listen, "llama-s", {"llama-s"})
+    check_stream("trivial ext_proc (SSE)", t["minimal-sse"].listen, "llama-s", {"llama-s"})
+    check_stream("model-router upstream (SSE)", t["router"].listen, "chat-stream", {"llama-s", "qwen-s"})
+    check_stream("model-router upstream, usage asked (SSE)", t["router"].listen, "chat-stream",
+                 {"llama-s", "qwen-s"}, usage=True)
+    check_stream("model-router client (SSE)", t["router"].listen, "chat-stream-client", {"chat-stream-client"})
+    check_stream("model-router without experiment (SSE)", t["router"].listen, "plain-s", {"plain-s"})
+    check_metering(stack, {"chat", "plain", "chat-stream", "chat-stream-client"})
+
+
+def measure_all(runner: Runner, t: dict[str, Target]) -> None:
+    def c(key: str, target: str, model: str, usage: bool = False) -> Config:
+        return Config(key, LABELS[key], t[target], model, usage)
+
+    ns = [c("bare", "bare", "chat"), c("minimal", "minimal", "chat"), c("router", "router", "chat")]
+    one = [c("router1", "router1", "chat")] if "router1" in t else []
+    nolog = c("router-nolog", "router-nolog", "chat")
+    ss = [c("bare-sse", "bare-sse", "llama-s"), c("minimal-sse", "minimal-sse", "llama-s"),
+          c("router-up", "router-sse", "chat-stream"),
+          c("router-up-usage", "router-sse", "chat-stream", usage=True),
+          c("router-client", "router-sse", "chat-stream-client"), c("router-plain", "router-sse", "plain-s")]
+    for cfg in [*ns[1:], c("router-noexp", "router", "plain"), nolog, *one]:
+        runner.results[("count", cfg.key)] = [count_messages(cfg.target, cfg.model, COUNT_REQUESTS)]
+    print(f"measuring: {runner.seconds} s per case after {runner.warmup} s warm-up, {runner.rounds} rounds",
+          file=sys.stderr, flush=True)
+    runner.run_case(Case("c32", "wrk", ns + [c("router-noexp", "router", "plain"), nolog] + one, connections=32))
+    runner.run_case(Case("c1", "wrk", ns + one, connections=1))
+    saturation = mean([x["rps"] for x in runner.results.get(("c32", "router"), [])])
+    runner.openloop_rate = max(round(saturation / 2), 10) if saturation == saturation else 100
+    runner.run_case(Case("open", "openloop", ns + [nolog], rate=runner.openloop_rate))
+    runner.run_case(Case("open-q", "openloop", ns, rate=max(round(runner.openloop_rate / 2), 5)))
+    runner.run_case(Case("sse", "wrk", ss, connections=32, stream=True))
+    runner.run_case(Case("ttft", "ttft", ss))
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: short runs, 1-process stack skipped")
     parser.add_argument("--duration", type=int, default=None, help="measured seconds per case (10; quick 3)")
@@ -814,6 +1109,11 @@ def main() -> int:
         args.one_process = not args.quick
     if args.wait_quiet is None:
         args.wait_quiet = 0.0 if args.quick else 600.0
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     if shutil.which("wrk") is None:
         print("wrk not found: apt-get install wrk", file=sys.stderr)
         return 2
@@ -840,86 +1140,13 @@ def main() -> int:
     procs = Procs(workdir)
     stacks: list[Stack] = []
     try:
-        nginx = start_nginx(procs, workdir)
-        cfg_path = workdir / "router.yaml"
-        cfg_path.write_text(router_config(f"http://{nginx}"))
-        cfg = config_mod.load(cfg_path).config
-        print("starting: nginx, model-router stack (2 sidecars), bare Envoy, trivial ext_proc", file=sys.stderr, flush=True)
-        (workdir / "stack2").mkdir()
-        stack = Stack(cfg_path, sidecars=2, workdir=workdir / "stack2")
-        stacks.append(stack)
-        stack.start()
-        sp = {name: p.popen.pid for name, p in stack._procs.items()}
-        nginx_pid = procs.items["nginx"].pid
-        engine_pid = sp[f"demo-{ENGINE_BACKEND}"]
-        router = Target("router", "model-router, 2 processes", stack.listen, stack.envoy_admin, sp["envoy"],
-                        [sp["sidecar-0"], sp["sidecar-1"]], nginx_pid)
-        router_sse = Target("router", "model-router, 2 processes", stack.listen, stack.envoy_admin, sp["envoy"],
-                            [sp["sidecar-0"], sp["sidecar-1"]], engine_pid)
-        boot = envoyconf.bootstrap(cfg, sidecar_addresses=stack.sidecar_grpc, backend_urls=stack.demo_urls,
-                                   listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
-        listen, admin, pid = start_envoy(procs, workdir, "envoy-bare", bare_bootstrap(boot, NGINX_BACKEND))
-        bare = Target("bare", "bare Envoy", listen, admin, pid, [], nginx_pid)
-        listen, admin, pid = start_envoy(procs, workdir, "envoy-bare-sse", bare_bootstrap(boot, ENGINE_BACKEND))
-        bare_sse = Target("bare-sse", "bare Envoy", listen, admin, pid, [], engine_pid)
-        minimal_addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-        minimal_pids = []
-        for i, addr in enumerate(minimal_addrs):
-            p = procs.spawn(f"minimal-{i}", [sys.executable, str(BENCH / "minimal_extproc.py"), "--listen", addr,
-                                             "--backend", NGINX_BACKEND, "--model", "llama-3.1-8b"])
-            minimal_pids.append(p.pid)
-        for i, addr in enumerate(minimal_addrs):
-            wait_tcp(addr, time.monotonic() + 30, lambda i=i: procs.check(f"minimal-{i}"))
-        mboot = envoyconf.bootstrap(cfg, sidecar_addresses=minimal_addrs, backend_urls=stack.demo_urls,
-                                    listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
-        listen, admin, pid = start_envoy(procs, workdir, "envoy-minimal", mboot)
-        minimal = Target("minimal", "trivial ext_proc, 2 processes", listen, admin, pid, minimal_pids, nginx_pid)
-        router1 = None
-        if args.one_process:
-            (workdir / "stack1").mkdir()
-            stack1 = Stack(cfg_path, sidecars=1, workdir=workdir / "stack1")
-            stacks.append(stack1)
-            stack1.start()
-            sp1 = {name: p.popen.pid for name, p in stack1._procs.items()}
-            router1 = Target("router1", "model-router, 1 process", stack1.listen, stack1.envoy_admin, sp1["envoy"],
-                             [sp1["sidecar-0"]], nginx_pid)
-
-        check_json("bare Envoy", bare.listen, "chat", experiment=False)
-        check_json("trivial ext_proc", minimal.listen, "chat", experiment=False)
-        check_json("model-router", router.listen, "chat", experiment=True)
-        check_json("model-router, model without experiment", router.listen, "plain", experiment=False)
-        if router1:
-            check_json("model-router (1 process)", router1.listen, "chat", experiment=True)
-        check_stream("bare Envoy (SSE)", bare_sse.listen, "llama-s", {"llama-s"})
-        check_stream("model-router upstream (SSE)", router.listen, "chat-stream", {"llama-s", "qwen-s"})
-        check_stream("model-router client (SSE)", router.listen, "chat-stream-client", {"chat-stream-client"})
-        check_stream("model-router without experiment (SSE)", router.listen, "plain-s", {"plain-s"})
-
-        ns = [Config("bare", "bare Envoy", bare, "chat"), Config("minimal", "trivial ext_proc, 2 processes", minimal, "chat"),
-              Config("router", "model-router, 2 processes", router, "chat")]
-        if router1:
-            ns.append(Config("router1", "model-router, 1 process", router1, "chat"))
-        ss = [Config("bare-sse", "bare Envoy (SSE)", bare_sse, "llama-s"),
-              Config("router-up", "model-router, response_model: upstream", router_sse, "chat-stream"),
-              Config("router-client", "model-router, response_model: client", router_sse, "chat-stream-client"),
-              Config("router-plain", "model-router, model without experiment", router_sse, "plain-s")]
-
-        print(f"measuring: {runner.seconds} s per case after {runner.warmup} s warm-up, {runner.rounds} rounds",
-              file=sys.stderr, flush=True)
-        runner.run_case(Case("c32", "wrk", ns + [Config("router-noexp", "model-router, model without experiment",
-                                                         router, "plain")], connections=32))
-        runner.run_case(Case("c1", "wrk", ns, connections=1))
-        saturation = mean([x["rps"] for x in runner.results.get(("c32", "router"), [])])
-        runner.openloop_rate = max(round(saturation / 2), 10) if saturation == saturation else 100
-        ol = [c for c in ns if c.key in ("bare", "minimal", "router")]
-        runner.run_case(Case("open", "openloop", ol, rate=runner.openloop_rate))
-        runner.run_case(Case("open-q", "openloop", ol, rate=max(round(runner.openloop_rate / 2), 5)))
-        runner.run_case(Case("sse", "wrk", ss, connections=32, stream=True))
-        runner.run_case(Case("ttft", "ttft", ss))
+        t = start_targets(args, procs, workdir, stacks)
+        sanity_checks(t, stacks[0])
+        measure_all(runner, t)
     except KeyboardInterrupt:
         print("interrupted: stopping every process started", file=sys.stderr, flush=True)
         runner.notes.append("interrupted before the end")
-    except BenchError as exc:
+    except (BenchError, StackError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr, flush=True)
         runner.notes.append(f"failed: {str(exc).splitlines()[0]}")
     finally:
@@ -956,6 +1183,14 @@ def context_lines(runner: Runner) -> list[str]:
         out.append(f"- wrk (1 thread) used {mean([x['generator_pct'] for x in wrk_bare]):.0f}% of one core in the bare-Envoy "
                    f"32-connection case, nginx {mean([x['upstream_pct'] for x in wrk_bare]):.0f}%, Envoy "
                    f"{mean([x['envoy_pct'] for x in wrk_bare]):.0f}%")
+    logged = [x for (case, cfg), rs in res.items() if cfg in ("router", "router-up", "router-client") for x in rs
+              if "als_written_per_req" in x]
+    if logged:
+        w = [x["als_written_per_req"] for x in logged]
+        g = [x["als_received_per_req"] for x in logged if x.get("als_received_per_req") is not None]
+        out.append(f"- access log: Envoy wrote {min(w):.3f}–{max(w):.3f} entries per request and the sidecars "
+                   f"received {min(g):.3f}–{max(g):.3f} per request in the model-router windows (a window's last "
+                   f"flush can fall into the next one)")
     ol = [x for (case, _), rs in res.items() if case == "open" for x in rs]
     if ol:
         out.append(f"- open-loop generator: pacing lag p99 at most {max(x['lag_p99_us'] for x in ol) / 1000:.2f} ms, "
@@ -968,9 +1203,9 @@ def report(runner: Runner, info: dict, args) -> None:
     table = Table(runner)
     table.build()
     any_errors = any(errors_text(x) != "0" for rs in runner.results.values() for x in rs)
-    foreign = [x["foreign_pct"] for rs in runner.results.values() for x in rs]
+    foreign = [x["foreign_pct"] for rs in runner.results.values() for x in rs if "foreign_pct" in x]
     worst = max(foreign) if foreign else 0.0
-    worst_top = next((x["foreign_top"] for rs in runner.results.values() for x in rs if x["foreign_pct"] == worst), [])
+    worst_top = next((x["foreign_top"] for rs in runner.results.values() for x in rs if x.get("foreign_pct") == worst), [])
     q = runner.quiet
     lines = [
         f"## model-router benchmark ({'quick' if args.quick else 'full'} run)",
@@ -992,7 +1227,10 @@ def report(runner: Runner, info: dict, args) -> None:
         f"measured at 32 connections, and at a quarter of it",
         "- errors: status >= 400, socket errors (connect/read/write) and timeouts, per round",
         "- CPU: utime+stime of the processes from /proc/<pid>/stat over the measured window, divided by completed "
-        "requests (streams for SSE); `msgs/req` is Envoy's ext_proc `stream_msgs_sent` per request",
+        "requests (streams for SSE); `msgs/req` is the delta of Envoy's `ext_proc.stream_msgs_sent` over the delta of "
+        "`http.model_router.downstream_rq_total`, the request filter's first and the response processor's after `+`",
+        "- access log: sidecar CPU per request with Envoy's gRPC access log minus the same, at the same load, through "
+        "an Envoy whose bootstrap has no `access_log` (the same 2 sidecar processes), round by round",
         "",
         ("**ERRORS: at least one run had errors (see the errors column).**" if any_errors else "All runs: 0 errors."),
         "",

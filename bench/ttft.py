@@ -24,7 +24,8 @@ import _http
 def run(args) -> dict:
     host, _, port = args.target.rpartition(":")
     requests = _http.chat_requests(
-        args.target, args.model, args.keys, stream=True, events=args.events, interval_ms=args.interval_ms
+        args.target, args.model, args.keys, stream=True, events=args.events, interval_ms=args.interval_ms,
+        include_usage=args.include_usage,
     )
     sock: socket.socket | None = None
     ttfts: list[float] = []
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="requests sent first and not counted")
     parser.add_argument("--events", type=int, default=50)
     parser.add_argument("--interval-ms", type=int, default=1)
+    parser.add_argument("--include-usage", action="store_true", help='send "stream_options":{"include_usage":true}')
     parser.add_argument("--timeout", type=float, default=10.0, help="socket timeout per request")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="stop sending after this long")
     args = parser.parse_args()

@@ -56,12 +56,14 @@ def cmd_serve(args) -> int:
     )
     if workers == 1:
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
-              url_overrides=_pairs(args.backend_url, "--backend-url"))
+              url_overrides=_pairs(args.backend_url, "--backend-url"), usage_records=args.usage_records)
         return 0
     # One process per worker, each its own ext_proc endpoint (see envoy-config).
     import subprocess
 
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
+    if args.usage_records:
+        extra += ["--usage-records", args.usage_records]
     procs = [
         subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
                           "--grpc-listen", g, "--admin-listen", a, *extra])
@@ -160,6 +162,7 @@ model-router is up.
   sidecar metrics:      http://{stack.sidecar_admin[0]}/metrics   (/admin/*: {admin})
   Envoy admin:          http://{stack.envoy_admin}
   logs (kept):          {stack.workdir}
+  usage records:        {stack.usage_records}   (one JSON line per request; docs/metering.md)
 
 Try it:
   curl -s {stack.url}/v1/chat/completions -H 'authorization: Bearer user-1' \\
@@ -207,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-listen", help="host:port for the admin HTTP server (overrides server.admin_listen)")
     s.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
     s.add_argument("--workers", type=int, help="sidecar processes on consecutive ports (overrides server.workers)")
+    s.add_argument("--usage-records", metavar="PATH",
+                   help="append usage records (JSON lines) here; - for stdout (overrides metering.usage_records)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")

@@ -291,10 +291,9 @@ class Monitor(_Model):
     # A metrics snapshot older than this makes no statement (no :nitro ranking).
     freshness_s: Annotated[float, Field(ge=0.1, le=3600)] = 10.0
     timeout_s: Annotated[float, Field(ge=0.05, le=60)] = 2.0
-    # A backend that answered 5xx or reset is held out this long. Off (0) by
-    # default: seeing every response costs Envoy one more ext_proc message per
-    # request, about 10% of throughput (docs/performance.md).
-    passive_holdout_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    # A backend that answered 5xx or reset is held out this long (0: never).
+    # Read from Envoy's access log, so it costs the request path nothing.
+    passive_holdout_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     # Engine-saturation gate: a backend with more waiting requests is not admitted.
     max_waiting: Annotated[int, Field(ge=0)] | None = None
 
@@ -345,6 +344,14 @@ class Proxy(_Model):
     passthrough_backend: Name | None = None
 
 
+class Metering(_Model):
+    # Envoy batches access-log entries: each reaches the sidecar at most this
+    # long after its request ended (sooner when 16 KiB of them are waiting).
+    flush_interval_ms: Annotated[int, Field(ge=10, le=60_000)] = 1000
+    # One JSON line per resolved request: a file path, or "-" for standard output.
+    usage_records: str | None = None
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -356,6 +363,7 @@ class Config(_Model):
     monitor: Monitor = Monitor()
     web_search: WebSearch | None = None
     model_experiments: Annotated[list[Experiment], Field(max_length=MAX_EXPERIMENTS)] = []
+    metering: Metering = Metering()
 
 
 @dataclass

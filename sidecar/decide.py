@@ -8,7 +8,7 @@ in a unit test.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from . import errors, variants
@@ -71,26 +71,48 @@ class Request:
     mono: float = 0.0  # monotonic clock, the monitor's time base
 
 
+Meta = dict[str, "str | bool"]
+
+
 @dataclass(slots=True)
 class ResponsePlan:
-    """What the sidecar does with the response of a routed request."""
+    """What a routed request's answer carries: its attribution, published to
+    Envoy as dynamic metadata, and what (if anything) must change in it."""
 
     family: str
+    kind: str = "routed"  # routed | count_tokens (counted for tokens only)
     rewrite_model: str | None = None  # top-level model to write into the response
-    read_usage: bool = False
+    read_usage: bool = False  # the response's token usage is counted
     strip_injected_usage: bool = False
-    streaming: bool = False
     experiment: str | None = None
     variant: str | None = None
     assignment: str | None = None  # "sticky" | "random"
-    counted: bool = True
-    headers: tuple[tuple[str, str], ...] = ()
+    attribute: bool = False  # send x-continuum-experiment[-variant]
     suffix: str | None = None  # nitro | floor | thinking | online
     suffix_applied: bool = True
 
     @property
-    def needs_body(self) -> bool:
-        return self.rewrite_model is not None or self.read_usage
+    def needs_response(self) -> bool:
+        """Whether the response body itself must change (the only reason the
+        sidecar sees a response)."""
+        return self.rewrite_model is not None or self.strip_injected_usage
+
+    def metadata(self) -> Meta:
+        """The decision as Envoy dynamic metadata: read back by the access log
+        (metrics, usage records), by the route's response headers (``x_*``
+        keys) and by the response processor."""
+        m: Meta = {"kind": self.kind, "family": self.family}
+        if self.experiment is not None:
+            m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
+            if self.attribute:
+                m.update(x_experiment=self.experiment, x_experiment_variant=self.variant or "")
+        if self.suffix is not None:
+            m.update(suffix=self.suffix, suffix_applied=self.suffix_applied, x_model_variant=self.suffix)
+            if not self.suffix_applied:
+                m["x_model_variant_applied"] = "false"
+        if self.needs_response:
+            m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
+        return m
 
 
 @dataclass(slots=True)
@@ -103,6 +125,13 @@ class Route:
     set_headers: tuple[tuple[str, str], ...] = ()
     remove_headers: tuple[str, ...] = ()
     plan: ResponsePlan | None = None
+
+    def metadata(self) -> Meta:
+        m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
+        m["backend"] = self.backend.name
+        if self.client_model:
+            m.update(client_model=self.client_model, upstream_model=self.upstream_model)
+        return m
 
 
 @dataclass
@@ -194,8 +223,12 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     # 3. The experiment picks a variant.
     allowed: set[str] | None = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
     upstream = client_model
-    plan: dict = {}
-    headers: list[tuple[str, str]] = []
+    plan = ResponsePlan(family=family, kind="routed" if ingress.counted else "count_tokens")
+
+    def attributed(reply: Reply) -> Reply:
+        """A refusal after an arm was chosen still counts on that arm."""
+        return replace(reply, meta=tuple(plan.metadata().items()))
+
     exp_info = snap.experiments.get(client_model) if ingress.experiments else None
     if exp_info is not None:
         exp = exp_info.config
@@ -206,15 +239,13 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         if variant.backends is not None:
             pin = set(variant.backends)
             allowed = pin if allowed is None else allowed & pin
-            if not allowed:
-                return errors.model_not_permitted(requested, family)
-        if exp.response_headers:
-            headers += [("x-continuum-experiment", exp.name), ("x-continuum-experiment-variant", variant.id)]
-        plan.update(
-            experiment=exp.name, variant=variant.id, assignment="random" if is_blank(sticky) else "sticky",
-            rewrite_model=client_model if exp.response_model == "client" else None,
-            read_usage=ingress.usage and ingress.counted, counted=ingress.counted,
-        )
+        plan.experiment, plan.variant = exp.name, variant.id
+        plan.assignment = "random" if is_blank(sticky) else "sticky"
+        plan.attribute = exp.response_headers
+        plan.rewrite_model = client_model if exp.response_model == "client" else None
+        plan.read_usage = ingress.usage
+        if variant.backends is not None and not allowed:
+            return attributed(errors.model_not_permitted(requested, family))
 
     # 4. Metadata alias dispatch, then the backends that may serve it.
     upstream, serving = snap.resolve(upstream)
@@ -224,8 +255,8 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     ]
     if not candidates:
         if serving and any(not snap.backends[n].internal for n in serving):
-            return errors.model_not_permitted(requested, family)
-        return errors.model_not_found(requested, family)
+            return attributed(errors.model_not_permitted(requested, family))
+        return attributed(errors.model_not_found(requested, family))
 
     # 5. Variant checks that can refuse, before anything is chosen.
     edits: dict = {}
@@ -233,7 +264,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if word == "thinking":
         meta = snap.meta(upstream)
         if meta is None or not meta.supports_thinking:
-            return _unsupported(requested, word, family)
+            return attributed(_unsupported(requested, word, family))
         if "reasoning_effort" not in data:
             edits["reasoning_effort"] = "high"
     elif word == "online":
@@ -241,10 +272,10 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         # backends it may add a tool to.
         ws = snap.config.web_search
         if ws is None or not ws.enabled or data.get("stream") is True:
-            return _unsupported(requested, word, family)
+            return attributed(_unsupported(requested, word, family))
         candidates = [b for b in candidates if not b.config.commercial and b.family == "openai"]
         if not candidates:
-            return _unsupported(requested, word, family)
+            return attributed(_unsupported(requested, word, family))
 
     # 6. Health and saturation first; a preference only narrows what is left.
     mon = snap.config.monitor
@@ -261,7 +292,9 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         ]
     candidates = admitted
     if not candidates:
-        return errors.error("no_backend", f"No healthy backend can serve the model '{requested}' right now.", family)
+        return attributed(
+            errors.error("no_backend", f"No healthy backend can serve the model '{requested}' right now.", family)
+        )
     applied = True
     preferred = req.headers.get("x-backend")
     chosen = next((b for b in candidates if b.name == preferred), None) if preferred else None
@@ -272,21 +305,17 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
             candidates, applied = variants.narrow(word, snap, upstream, candidates, req.states, req.mono, data)
         chosen = _pick(snap, candidates, req)
     if word is not None:
-        headers.append(("x-continuum-model-variant", word))
-        if not applied:
-            headers.append(("x-continuum-model-variant-applied", "false"))
-        plan.update(suffix=word, suffix_applied=applied, rewrite_model=requested)
+        plan.suffix, plan.suffix_applied, plan.rewrite_model = word, applied, requested
 
     # 7. Request rewrites.
     new_body: bytes | None = None
     new_path: str | None = None
-    streaming = False
     if parsed.json is not None:
         streaming = data.get("stream") is True
         if data["model"] != upstream:
             edits["model"] = upstream
         if (
-            plan.get("read_usage") and streaming and family == "openai"
+            plan.read_usage and streaming and family == "openai"
             and ingress.path in ("/v1/chat/completions", "/v1/completions")
         ):
             opts = data.get("stream_options")
@@ -294,7 +323,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
                 opts = dict(opts) if isinstance(opts, dict) else {}
                 opts["include_usage"] = True
                 edits["stream_options"] = opts
-                plan["strip_injected_usage"] = True
+                plan.strip_injected_usage = True
         if edits:
             new_body = set_top_level(req.body, edits, data)
     elif parsed.form_field is not None:
@@ -313,7 +342,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     return Route(
         backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
         set_headers=set_headers, remove_headers=remove_headers,
-        plan=ResponsePlan(family=family, streaming=streaming, headers=tuple(headers), **plan) if plan or headers else None,
+        plan=plan,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from .config import RESERVED_BACKEND_NAME, Config
+from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import ATTRIBUTION_HEADERS, BACKEND_HEADER, ROUTER_HEADER_PREFIXES, _split
 
 _T = "type.googleapis.com/"
@@ -132,6 +133,164 @@ def _local_reply_config() -> dict:
     }
 
 
+# The decision's metadata keys that become response headers.
+_ATTRIBUTION_KEYS = {
+    "x-continuum-experiment": "x_experiment",
+    "x-continuum-experiment-variant": "x_experiment_variant",
+    "x-continuum-model-variant": "x_model_variant",
+    "x-continuum-model-variant-applied": "x_model_variant_applied",
+}
+RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
+
+
+def _attribution_headers() -> list[dict]:
+    return [
+        {
+            "header": {"key": name, "value": f"%DYNAMIC_METADATA({REPLY_NAMESPACE}:{key})%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            "keep_empty_value": False,
+        }
+        for name, key in _ATTRIBUTION_KEYS.items()
+    ]
+
+
+def _routes(timeout_s: int) -> list[dict]:
+    """Two routes to the same cluster: the one the decision selects (with
+    ``x-model-router-response``) runs the response processor among its
+    upstream filters; every other request skips it."""
+    action = {
+        "cluster_header": BACKEND_HEADER,
+        "timeout": f"{timeout_s}s",
+        "auto_host_rewrite": True,
+        "retry_policy": {"retry_on": "connect-failure,reset-before-request", "num_retries": 1},
+    }
+    disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
+    return [
+        {
+            "name": "rewrite",
+            "match": {"prefix": "/", "headers": [{"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}]},
+            "route": action,
+        },
+        {"name": "default", "match": {"prefix": "/"}, "route": action, "typed_per_filter_config": {RESPONSE_FILTER: disabled}},
+    ]
+
+
+def _ext_proc(name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], **extra: Any) -> dict:
+    """An ext_proc filter on the sidecar cluster, failing closed. ``modes``:
+    request headers, request body, response headers, response body (trailers
+    are never sent)."""
+    keys = ("request_header_mode", "request_body_mode", "response_header_mode", "response_body_mode")
+    return {
+        "name": name,
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME, "max_receive_message_length": buffer_limit},
+                "timeout": "30s",
+            },
+            "failure_mode_allow": False,
+            "status_on_error": {"code": 503},
+            "message_timeout": f"{message_timeout_ms / 1000:.3f}s",
+            "allow_mode_override": True,
+            **extra,
+            "processing_mode": {
+                **dict(zip(keys, modes)), "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
+def _response_ext_proc(message_timeout_ms: int, buffer_limit: int) -> dict:
+    """The response processor: an upstream filter, so the route chosen after
+    the body decision decides whether it runs. Its own gRPC stream starts at
+    the response headers and carries the decision in its metadata context."""
+    return _ext_proc(
+        RESPONSE_FILTER, message_timeout_ms, buffer_limit, ("SKIP", "NONE", "SEND", "STREAMED"),
+        stat_prefix="response",
+        metadata_options={
+            "receiving_namespaces": {"untyped": [REPLY_NAMESPACE, USAGE_NAMESPACE]},
+            "forwarding_namespaces": {"untyped": [REPLY_NAMESPACE]},
+        },
+    )
+
+
+# Where each API family reports usage: OpenAI chat/completions/embeddings
+# (usage.prompt_tokens...), Responses and Anthropic bodies (usage.input_tokens...),
+# Responses stream events (response.usage...), Anthropic message_start (message.usage).
+_USAGE_PATHS = [
+    (("usage", "prompt_tokens"), "prompt_tokens"),
+    (("usage", "completion_tokens"), "completion_tokens"),
+    (("usage", "input_tokens"), "input_tokens"),
+    (("usage", "output_tokens"), "output_tokens"),
+]
+_SSE_USAGE_PATHS = _USAGE_PATHS[:2] + [
+    (("response", "usage", "input_tokens"), "input_tokens"),
+    (("response", "usage", "output_tokens"), "output_tokens"),
+    (("message", "usage", "input_tokens"), "input_tokens"),
+    (("usage", "output_tokens"), "output_tokens"),  # Anthropic message_delta: cumulative
+]
+
+
+def _usage_rule(path: tuple[str, ...], key: str) -> dict:
+    return {
+        "selectors": [{"key": k} for k in path],
+        "on_present": {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": "NUMBER"},
+    }
+
+
+def _json_usage_filter() -> dict:
+    return {
+        "name": "envoy.filters.http.json_to_metadata",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+            "response_rules": {
+                "rules": [_usage_rule(p, k) for p, k in _USAGE_PATHS],
+                # The default matches only a bare application/json; never SSE (it
+                # would hold the whole stream).
+                "allow_content_types_regex": {"regex": r"^application/json(\s*;.*)?$"},
+            },
+        },
+    }
+
+
+def _sse_usage_filter() -> dict:
+    # Work in progress in Envoy 1.40 (it warns at start); its protos are not in
+    # xds-protos yet, so the shape is pinned by tests/test_metering.py.
+    return {
+        "name": "envoy.filters.http.sse_to_metadata",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.sse_to_metadata.v3.SseToMetadata",
+            "response_rules": {
+                "content_parser": {
+                    "name": "envoy.content_parsers.json",
+                    "typed_config": {
+                        "@type": _T + "envoy.extensions.content_parsers.json.v3.JsonContentParser",
+                        "rules": [{"rule": _usage_rule(p, k)} for p, k in _SSE_USAGE_PATHS],
+                    },
+                },
+                "max_event_size": 1024 * 1024,
+            },
+        },
+    }
+
+
+def _access_log(flush_interval_ms: int) -> dict:
+    """One entry per request to the sidecar's AccessLogService, batched."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "model_router",
+                "grpc_service": {"envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": f"{flush_interval_ms / 1000:.3f}s",
+                "buffer_size_bytes": 16384,
+            },
+        },
+    }
+
+
 def bootstrap(
     config: Config,
     *,
@@ -152,31 +311,15 @@ def bootstrap(
     buffer_limit = server.max_body_bytes + 1024 * 1024
     timeout_s = config.envoy.upstream_timeout_s
 
-    ext_proc = {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {
-                "envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME, "max_receive_message_length": buffer_limit},
-                "timeout": "30s",
-            },
-            "failure_mode_allow": False,
-            "status_on_error": {"code": 503},
-            "message_timeout": f"{server.message_timeout_ms / 1000:.3f}s",
-            # The :online loop asks for more time (override_message_timeout), up to this.
-            "max_message_timeout": "610s",
-            "allow_mode_override": True,
-            "metadata_options": {"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "response_header_mode": "SEND",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_trailer_mode": "SKIP",
-            },
-        },
-    }
+    # Two messages per request: the decision needs the request only. The
+    # sidecar turns the response headers off on every request it lets on
+    # (see _MODE_BODY_NEXT in extproc.py).
+    ext_proc = _ext_proc(
+        "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit, ("SEND", "BUFFERED", "SEND", "NONE"),
+        # The :online loop asks for more time (override_message_timeout), up to this.
+        max_message_timeout="610s",
+        metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
+    )
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",
@@ -199,6 +342,9 @@ def bootstrap(
             }
         ],
         "upgrade_configs": [{"upgrade_type": "websocket"}],
+        # The id Envoy gives each request names its usage record; the client
+        # gets it back to quote.
+        "always_set_request_id_in_response": True,
         # The sidecar knows these limits too: it answers 431 rather than send a
         # header mutation that would take a request past them.
         "common_http_protocol_options": {"max_headers_count": config.envoy.max_request_headers},
@@ -207,31 +353,40 @@ def bootstrap(
         "request_timeout": "0s",
         "route_config": {
             "name": "model_router",
-            "request_headers_to_remove": [BACKEND_HEADER],
-            # An upstream cannot forge the router's attribution either.
+            "request_headers_to_remove": [BACKEND_HEADER, RESPONSE_HEADER],
+            # An upstream cannot forge the router's attribution; the router's own
+            # comes from the decision's metadata (applied after the removal).
             "response_headers_to_remove": list(ATTRIBUTION_HEADERS),
+            "response_headers_to_add": _attribution_headers(),
             "virtual_hosts": [
                 {
                     "name": "all",
                     "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {
-                                "cluster_header": BACKEND_HEADER,
-                                "timeout": f"{timeout_s}s",
-                                "auto_host_rewrite": True,
-                                "retry_policy": {"retry_on": "connect-failure,reset-before-request", "num_retries": 1},
-                            },
-                        }
-                    ],
+                    "routes": _routes(timeout_s),
                 }
             ],
         },
         "http_filters": [
             ext_proc,
-            {"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
+            # Token usage into metadata, read from the upstream's bytes (the
+            # encode path meets these before ext_proc).
+            _json_usage_filter(),
+            _sse_usage_filter(),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
+                    "upstream_http_filters": [
+                        _response_ext_proc(server.message_timeout_ms, buffer_limit),
+                        {
+                            "name": "envoy.filters.http.upstream_codec",
+                            "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
+                        },
+                    ],
+                },
+            },
         ],
+        "access_log": [_access_log(config.metering.flush_interval_ms)],
         "local_reply_config": _local_reply_config(),
     }
     clusters = [

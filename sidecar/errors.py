@@ -50,6 +50,8 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
     # Not sent: the experiment whose reserved model this refusal protects.
     reserved_by: str | None = None
+    # The decision so far (an arm already chosen), published with the reply.
+    meta: tuple[tuple[str, str | bool], ...] = ()
 
     content_type = "application/json"
 

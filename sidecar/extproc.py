@@ -5,9 +5,12 @@ messages into :mod:`sidecar.decide` inputs and the decisions back into header
 and body mutations or immediate responses; it holds no routing logic itself.
 
 Messages per request: request headers, then (for model-routed paths) the
-buffered request body. Response headers are asked for only when the config
-has something to do with responses, and response bodies only when the
-decision needs them (model rewrite or token usage).
+buffered request body. The decision goes back as header and body mutations
+plus dynamic metadata; Envoy's own filters read token usage from the
+response and send one access-log entry per request, from which
+:mod:`sidecar.metering` computes every metric. A response whose body must
+change opens a second stream, at the response headers, handled by
+:mod:`sidecar.response_stream`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import logging
 import os
 import random
 import time
-from dataclasses import replace
 from typing import Iterable
 
 import orjson
@@ -33,7 +35,8 @@ from .errors import Reply
 from .body import named_models
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
-from .rewrite import MAX_JSON_REWRITE, SSERewriter, rewrite_json_body
+from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, rewrite_of, usage_metadata
+from .rewrite import rewrite_json_body
 from .snapshot import BACKEND_HEADER
 
 log = logging.getLogger("model_router.extproc")
@@ -41,25 +44,26 @@ log = logging.getLogger("model_router.extproc")
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def _mode(request_body: int, response_headers: int, response_body: int) -> pm.ProcessingMode:
-    """A full processing mode (an override replaces all six fields)."""
-    P = pm.ProcessingMode
-    return P(
-        request_header_mode=P.SEND, request_body_mode=request_body,
-        response_header_mode=response_headers, response_body_mode=response_body,
-        request_trailer_mode=P.SKIP, response_trailer_mode=P.SKIP,
-    )
-
-
 _P = pm.ProcessingMode
-_MODE_BODY_ONLY = _mode(_P.BUFFERED, _P.SKIP, _P.NONE)  # nothing in the response needs the sidecar
-_MODE_NOTHING_MORE = _mode(_P.NONE, _P.SKIP, _P.NONE)  # decided at request headers
-_MODE_RESPONSE_BUFFERED = _mode(_P.NONE, _P.SEND, _P.BUFFERED)  # rewrite a body of declared length
-_MODE_RESPONSE_STREAMED = _mode(_P.NONE, _P.SEND, _P.STREAMED)  # rewrite or read a stream
+# The static mode asks for the response headers too, and every answer that lets
+# a request on turns them off: Envoy then needs only the request from this
+# stream. (With responses skipped statically, Envoy 1.40 answers its own 413
+# for a large body still arriving when the sidecar refuses at the headers.)
+_MODE_BODY_NEXT = _P(
+    request_header_mode=_P.SEND, request_body_mode=_P.BUFFERED, response_header_mode=_P.SKIP,
+    response_body_mode=_P.NONE, request_trailer_mode=_P.SKIP, response_trailer_mode=_P.SKIP,
+)
+# Decided at request headers: nothing more to see.
+_MODE_NOTHING_MORE = _P(
+    request_header_mode=_P.SEND, request_body_mode=_P.NONE, response_header_mode=_P.SKIP,
+    response_body_mode=_P.NONE, request_trailer_mode=_P.SKIP, response_trailer_mode=_P.SKIP,
+)
 
 
-_OWN_REPLY = struct_pb2.Struct()
-_OWN_REPLY.update({"model_router": {"reply": "sidecar"}})
+def _struct(namespaces: dict) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.update(namespaces)
+    return md
 
 
 def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:
@@ -73,18 +77,22 @@ def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterabl
     return m
 
 
-def immediate(reply: Reply) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
+def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
+    """The sidecar's own answer. Its metadata marks it as ours (Envoy's
+    local-reply mapping leaves it alone) and carries the decision so far."""
+    md = {"reply": "sidecar", "kind": "refusal" if reply.status >= 400 else "answered", **dict(reply.meta), **(meta or {})}
+    resp = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=reply.status),
-            headers=header_mutation(
-                (("content-type", reply.content_type),) + reply.headers
-            ),
+            headers=header_mutation((("content-type", reply.content_type),) + reply.headers),
             body=reply.body,
             details=f"model_router_{reply.status}",
         ),
-        dynamic_metadata=_OWN_REPLY,
+        dynamic_metadata=_struct({NAMESPACE: md}),
     )
+    if usage is not None:
+        resp.dynamic_metadata.MergeFrom(usage)
+    return resp
 
 
 def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
@@ -98,12 +106,11 @@ class _Stream:
     """Per-request state kept for the life of one ext_proc stream."""
 
     __slots__ = (
-        "start", "snap", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
-        "raw_path", "path", "caller", "route", "rewriter", "buffer", "buffered", "status", "counted",
+        "snap", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
+        "raw_path", "path", "caller", "route",
     )
 
     def __init__(self) -> None:
-        self.start = time.monotonic()
         self.snap = None
         self.ingress = None
         self.family = "openai"
@@ -115,11 +122,16 @@ class _Stream:
         self.raw_path = "/"
         self.caller = None
         self.route: decide.Route | None = None
-        self.rewriter: SSERewriter | None = None
-        self.buffer: bytearray | None = None
-        self.buffered = False
-        self.status = 0
-        self.counted = False
+
+    def meta(self) -> dict:
+        """What every answer on this stream publishes besides the decision."""
+        out: dict = {}
+        rid = self.headers.get("x-request-id")
+        if rid:
+            out["request_id"] = rid
+        if self.caller is not None and self.caller.key is not None:
+            out["key_id"] = self.caller.key.id
+        return out
 
 
 class Processor(pbg.ExternalProcessorServicer):
@@ -130,6 +142,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     async def Process(self, request_iterator, context):
         st = _Stream()
+        response: ResponseStream | None = None
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
@@ -144,9 +157,18 @@ class Processor(pbg.ExternalProcessorServicer):
                         resp = await self._online(st, req.request_body.body)
                     yield resp
                 elif kind == "response_headers":
-                    yield self._response_headers(st, req.response_headers)
+                    # A response stream (the upstream filter), opened only for rewrites.
+                    plan = rewrite_of(req.metadata_context)
+                    if plan is None:
+                        yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                        continue
+                    response = ResponseStream(plan)
+                    yield response.headers(req.response_headers)
                 elif kind == "response_body":
-                    yield self._response_body(st, req.response_body)
+                    if response is None:
+                        yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    else:
+                        yield response.body(req.response_body)
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
@@ -170,39 +192,35 @@ class Processor(pbg.ExternalProcessorServicer):
         st.family = family = family_for(st.path)
         caller = decide.authenticate(snap, h, family)
         if isinstance(caller, Reply):
-            return self._refuse(caller)
+            return self._refuse(caller, st)
         st.caller = caller
         encoding = h.get("content-encoding", "identity").strip().lower()
         if not msg.end_of_stream and encoding not in ("", "identity"):
             # A body the router cannot read is a body it cannot judge.
-            return self._refuse(errors.error(
+            return self._refuse(st=st, reply=errors.error(
                 "unsupported_encoding", f"Request bodies with content-encoding '{encoding}' are not accepted.", family
             ))
         length = h.get("content-length")
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
-            return self._refuse(errors.error(
-                "too_large", f"The request body is larger than the limit of {snap.max_body_bytes} bytes.", family
-            ))
+            return self._refuse(self._too_large(st), st)
         if ingress is None:
             listing_path = listing_of(st.path)
             if listing_path is not None:
                 metrics.DECISIONS.labels("listing").inc()
-                return immediate(listing.answer(snap, listing_path, h.get(":method", "GET"), caller.key))
+                return immediate(listing.answer(snap, listing_path, h.get(":method", "GET"), caller.key),
+                                 {**st.meta(), "kind": "listing"})
             st.passthrough = True
             if msg.end_of_stream:
                 return self._pass(st, b"", phase="headers")
             # Refuse early what no body can change (passthrough off, a restricted key).
             early = decide.passthrough(snap, st.path, caller, family, [])
             if isinstance(early, Reply):
-                return self._refuse(early)
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_ONLY)
+                return self._refuse(early, st)
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
         if ingress.body == "query" or msg.end_of_stream:
             # No body will follow: decide now.
             return self._decide(st, b"", phase="headers")
-        resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-        if not snap.response_phase:
-            resp.mode_override.CopyFrom(_MODE_BODY_ONLY)
-        return resp
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
 
     def _request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if st.passthrough:
@@ -212,21 +230,13 @@ class Processor(pbg.ExternalProcessorServicer):
     def _pass(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         """A path outside the ingress table, judged on the models it names."""
         if len(body) > st.snap.max_body_bytes:
-            return self._refuse(self._too_large(st))
+            return self._refuse(self._too_large(st), st)
         models = named_models(st.path, body, st.headers.get("content-type", ""))
         route = decide.passthrough(st.snap, st.path, st.caller, st.family, models)
         if isinstance(route, Reply):
-            return self._refuse(route)
-        self._canonical_path(st, route)
-        common = self._route_common(st, route)
-        if isinstance(common, Reply):
-            return self._refuse(common)
+            return self._refuse(route, st)
         metrics.DECISIONS.labels("passthrough").inc()
-        if phase == "headers":
-            return pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=common), mode_override=_MODE_NOTHING_MORE
-            )
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+        return self._routed(st, route, phase)
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:
@@ -236,7 +246,7 @@ class Processor(pbg.ExternalProcessorServicer):
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         snap = st.snap
         if len(body) > snap.max_body_bytes:
-            return self._refuse(self._too_large(st))
+            return self._refuse(self._too_large(st), st)
         self._counter += 1
         req = decide.Request(
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
@@ -249,23 +259,27 @@ class Processor(pbg.ExternalProcessorServicer):
             log.exception("decision failed for %s", st.path.partition("?")[0])
             route = errors.error("internal", "The router could not process this request.", st.family)
         if isinstance(route, Reply):
-            return self._refuse(route)
+            return self._refuse(route, st)
+        metrics.DECISIONS.labels("routed").inc()
+        return self._routed(st, route, phase)
+
+    def _routed(self, st: _Stream, route: decide.Route, phase: str) -> pb.ProcessingResponse:
+        """The answer that sends a request on: header and body mutations, and
+        the decision as dynamic metadata."""
         self._canonical_path(st, route)
         common = self._route_common(st, route)
         if isinstance(common, Reply):
-            return self._refuse(common)
-        metrics.DECISIONS.labels("routed").inc()
+            return self._refuse(common, st)
         st.route = route
-        if route.plan is not None and route.plan.suffix is not None:
-            metrics.VARIANT_REQUESTS.labels(route.plan.suffix, "true" if route.plan.suffix_applied else "false").inc()
         if route.body is not None:
             common.body_mutation.body = route.body
+        md = _struct({NAMESPACE: {**route.metadata(), **st.meta()}})
         if phase == "headers":
-            resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-            if route.plan is None:
-                resp.mode_override.CopyFrom(_MODE_NOTHING_MORE)
-            return resp
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+            return pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(response=common), mode_override=_MODE_NOTHING_MORE,
+                dynamic_metadata=md,
+            )
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
 
     async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         route = st.route
@@ -278,7 +292,9 @@ class Processor(pbg.ExternalProcessorServicer):
         )
         if reply.status >= 500:
             self.runtime.report_response(route.backend.name, reply.status)
-        return immediate(replace(reply, headers=reply.headers + route.plan.headers))
+        _, usage = rewrite_json_body(reply.body, None, "openai")
+        meta = {**route.metadata(), **st.meta(), "kind": route.plan.kind}
+        return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
 
     @staticmethod
     def _canonical_path(st: _Stream, route: decide.Route) -> None:
@@ -295,9 +311,12 @@ class Processor(pbg.ExternalProcessorServicer):
             sets.append((":path", route.path))
         if route.body is not None:
             sets.append(("content-length", str(len(route.body))))
-        if route.plan is not None and route.plan.needs_body:
+        plan = route.plan
+        if plan is not None and (plan.read_usage or plan.needs_response):
             # The response body must be readable to rewrite it or count its tokens.
             sets.append(("accept-encoding", "identity"))
+        if plan is not None and plan.needs_response:
+            sets.append((RESPONSE_HEADER, "rewrite"))  # selects the route whose upstream filter rewrites
         limits = st.snap.config.envoy
         count, size = st.header_count, st.header_bytes
         for k, v in sets:
@@ -313,100 +332,8 @@ class Processor(pbg.ExternalProcessorServicer):
             )
         return pb.CommonResponse(header_mutation=header_mutation(sets, route.remove_headers), clear_route_cache=True)
 
-    def _refuse(self, reply: Reply) -> pb.ProcessingResponse:
+    def _refuse(self, reply: Reply, st: _Stream) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
-        return immediate(reply)
-
-    # ----------------------------------------------------------------- response
-
-    def _response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        h = _headers(msg)
-        try:
-            st.status = int(h.get(":status", "0"))
-        except ValueError:
-            st.status = 0
-        if st.route is not None and (st.status >= 500 or st.status == 0):
-            self.runtime.report_response(st.route.backend.name, st.status or None)
-        plan = st.route.plan if st.route is not None else None
-        if plan is None:
-            return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-        if plan.experiment is not None and plan.counted:
-            st.counted = True
-            metrics.EXPERIMENT_REQUESTS.labels(
-                plan.experiment, plan.variant, metrics.status_class(st.status), plan.assignment
-            ).inc()
-            metrics.EXPERIMENT_DURATION.labels(plan.experiment, plan.variant).observe(time.monotonic() - st.start)
-        common = pb.CommonResponse(header_mutation=header_mutation(plan.headers))
-        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
-        encoding = h.get("content-encoding", "identity").lower()
-        if not (plan.needs_body and 200 <= st.status < 300 and encoding == "identity" and not msg.end_of_stream):
-            return resp
-        ctype = h.get("content-type", "").lower()
-        if ctype.startswith("text/event-stream"):
-            st.rewriter = SSERewriter(plan.rewrite_model, plan.family, strip_injected_usage=plan.strip_injected_usage)
-        elif "json" not in ctype:
-            return resp
-        length = h.get("content-length")
-        if length is None:
-            # Chunked: stream it; JSON is held in the sidecar until its end.
-            if st.rewriter is None:
-                st.buffer = bytearray()
-            resp.mode_override.CopyFrom(_MODE_RESPONSE_STREAMED)
-        elif length.isdigit() and int(length) <= MAX_JSON_REWRITE:
-            # A declared length must stay true: Envoy holds the headers until the
-            # whole body is processed, and the new length is set with it.
-            st.buffered = True
-            resp.mode_override.CopyFrom(_MODE_RESPONSE_BUFFERED)
-        else:
-            st.rewriter = None
-        return resp
-
-    def _response_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        plan = st.route.plan
-        out: bytes | None = None
-        if st.buffered:
-            # The whole body, headers still held (BUFFERED).
-            if st.rewriter is not None:
-                out = st.rewriter.feed(msg.body) + st.rewriter.finish()
-                usage = st.rewriter.usage
-            else:
-                out, usage = rewrite_json_body(msg.body, plan.rewrite_model, plan.family)
-            self._count_usage(plan, usage)
-        elif st.rewriter is not None:
-            out = st.rewriter.feed(msg.body)
-            if msg.end_of_stream:
-                out += st.rewriter.finish()
-                self._count_usage(plan, st.rewriter.usage)
-        elif st.buffer is not None:
-            st.buffer += msg.body
-            if len(st.buffer) > MAX_JSON_REWRITE:
-                # Too large to rewrite: release what was held and pass the rest through.
-                out = bytes(st.buffer)
-                st.buffer = None
-            elif msg.end_of_stream:
-                out, usage = rewrite_json_body(bytes(st.buffer), plan.rewrite_model, plan.family)
-                st.buffer = None
-                self._count_usage(plan, usage)
-            else:
-                out = b""
-        if out is None or out == msg.body:
-            return pb.ProcessingResponse(response_body=pb.BodyResponse())
-        common = pb.CommonResponse()
-        if out:
-            common.body_mutation.body = out
-        else:
-            common.body_mutation.clear_body = True
-        if st.buffered:
-            common.header_mutation.CopyFrom(header_mutation((("content-length", str(len(out))),)))
-        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-
-    @staticmethod
-    def _count_usage(plan, usage) -> None:
-        if plan is None or plan.experiment is None or not plan.read_usage or not usage.seen:
-            return
-        if usage.prompt_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(plan.experiment, plan.variant, "prompt").inc(usage.prompt_tokens)
-        if usage.completion_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(plan.experiment, plan.variant, "completion").inc(usage.completion_tokens)
+        return immediate(reply, st.meta())

@@ -1,10 +1,27 @@
-"""Prometheus metrics. Every label value comes from config or a closed set."""
+"""Prometheus metrics. Every label value comes from config or a closed set.
+
+Every label set the config implies is created when the config loads
+(:func:`prime`), so ``rate()`` and ``increase()`` see a series' first event.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
+    disable_created_metrics,
+)
+
+if TYPE_CHECKING:
+    from .config import Config
+
+# A *_created series per label set doubles what a scrape carries and no query here uses it.
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 
 EXPERIMENT_REQUESTS = Counter(
     "model_experiment_requests_total",
@@ -14,7 +31,7 @@ EXPERIMENT_REQUESTS = Counter(
 )
 EXPERIMENT_DURATION = Histogram(
     "model_experiment_request_duration_seconds",
-    "Time from the request reaching the sidecar to the response headers (stream start), per arm.",
+    "Time from the request reaching Envoy to the response headers sent to the client, per arm.",
     ["experiment", "variant"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
     registry=REGISTRY,
@@ -61,6 +78,17 @@ STREAM_ERRORS = Counter(
 )
 
 
+ACCESS_LOG_ENTRIES = Counter(
+    "model_router_access_log_entries_total",
+    "Per-request access-log entries received from Envoy (compare with Envoy's own count to see loss).",
+    registry=REGISTRY,
+)
+USAGE_RECORDS_DROPPED = Counter(
+    "model_router_usage_records_dropped_total",
+    "Usage records that could not be written to their sink.",
+    registry=REGISTRY,
+)
+
 WEB_SEARCH_REQUESTS = Counter(
     "model_router_web_search_requests_total",
     ":online requests by outcome (success, provider_error, upstream_error, deadline).",
@@ -78,9 +106,26 @@ WEB_SEARCH_ERRORS = Counter(
 )
 
 
-def status_class(status: int) -> str:
-    if status >= 500:
-        return "server_error"
-    if status >= 400:
-        return "client_error"
-    return "success"
+STATUSES = ("success", "client_error", "server_error")
+ASSIGNMENTS = ("sticky", "random")
+SUFFIXES = ("nitro", "floor", "thinking", "online")
+
+
+def prime(config: Config) -> None:
+    """Create every label set ``config`` implies, at zero."""
+    for result in ("success", "failure"):
+        CONFIG_RELOADS.labels(result)
+    for e in config.model_experiments:
+        if e.hide_variant_models:
+            RESERVED_REFUSALS.labels(e.name)
+        for v in e.variants:
+            EXPERIMENT_DURATION.labels(e.name, v.id)
+            for kind in ("prompt", "completion"):
+                EXPERIMENT_TOKENS.labels(e.name, v.id, kind)
+            for status in STATUSES:
+                for assignment in ASSIGNMENTS:
+                    EXPERIMENT_REQUESTS.labels(e.name, v.id, status, assignment)
+    if config.proxy.variant_suffixes.enabled:
+        for suffix in SUFFIXES:
+            for applied in ("true", "false"):
+                VARIANT_REQUESTS.labels(suffix, applied)

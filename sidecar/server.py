@@ -15,11 +15,13 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 
 from . import config as config_mod
 from . import listing, metrics, snapshot
 from .extproc import Processor
+from .metering import AccessLogService, JsonLinesSink, Meter
 
 log = logging.getLogger("model_router.server")
 
@@ -27,7 +29,9 @@ log = logging.getLogger("model_router.server")
 class Runtime:
     """Holds the current snapshot; a reload swaps it in one assignment."""
 
-    def __init__(self, path: str | Path, url_overrides: Mapping[str, str] | None = None):
+    def __init__(
+        self, path: str | Path, url_overrides: Mapping[str, str] | None = None, usage_records: str | None = None,
+    ):
         self.path = Path(path)
         self.url_overrides = dict(url_overrides or {})
         loaded = config_mod.load(self.path)
@@ -38,6 +42,9 @@ class Runtime:
         self.ready = False
         self.monitor = None
         self._http = None
+        self.usage_records = usage_records  # overrides metering.usage_records
+        self._sink: JsonLinesSink | None = None
+        metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
 
@@ -52,6 +59,21 @@ class Runtime:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+        if self._sink is not None:
+            self._sink.close()
+
+    def usage_sink(self) -> JsonLinesSink | None:
+        """Where usage records go under the current config (reopened when it changes)."""
+        path = self.usage_records or self.snapshot.config.metering.usage_records
+        if self._sink is not None and self._sink.path != path:
+            self._sink.close()
+            self._sink = None
+        if self._sink is None and path:
+            try:
+                self._sink = JsonLinesSink(path)
+            except OSError as exc:
+                log.error("usage records: cannot open %s: %s", path, exc)
+        return self._sink
 
     def set_discovered(self, discovered: dict[str, tuple[str, ...]]) -> None:
         """The monitor found new model lists: rebuild the snapshot around them."""
@@ -92,6 +114,7 @@ class Runtime:
         for w in loaded.warnings:
             log.warning("config: %s", w)
         self.snapshot = new
+        metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
         log.info("config reloaded from %s", self.path)
@@ -157,6 +180,18 @@ def _admin_app(runtime: Runtime) -> web.Application:
     return app
 
 
+class _SinkOf:
+    """The runtime's current usage sink, looked up per batch."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def write(self, records: list[dict]) -> None:
+        sink = self.runtime.usage_sink()
+        if sink is not None:
+            sink.write(records)
+
+
 def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
     """Worker i listens on the configured ports plus i."""
     def shifted(addr: str) -> list[str]:
@@ -180,8 +215,9 @@ async def serve_async(
     grpc_listen: str | None = None,
     admin_listen: str | None = None,
     url_overrides: Mapping[str, str] | None = None,
+    usage_records: str | None = None,
 ) -> None:
-    runtime = Runtime(config_path, url_overrides)
+    runtime = Runtime(config_path, url_overrides, usage_records)
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen
@@ -195,6 +231,8 @@ async def serve_async(
         ]
     )
     pbg.add_ExternalProcessorServicer_to_server(Processor(runtime), server)
+    meter = Meter(runtime.report_response, _SinkOf(runtime))
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(meter), server)
     try:
         from .assign_service import add_to_server
 

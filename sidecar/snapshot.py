@@ -99,15 +99,6 @@ class Snapshot:
     def max_body_bytes(self) -> int:
         return self.config.server.max_body_bytes
 
-    @property
-    def response_phase(self) -> bool:
-        """Whether model-routed responses must be seen: experiment metrics and
-        rewrites, variant headers, or passive health (5xx holds a backend out)."""
-        c = self.config
-        return bool(self.experiments) or c.proxy.variant_suffixes.enabled or (
-            c.monitor.enabled and c.monitor.passive_holdout_s > 0
-        )
-
 
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:
     variants = tuple((v.id, v.weight) for v in e.variants)

@@ -100,6 +100,7 @@ class Stack:
     sidecar_grpc: list[str] = field(default_factory=list)
     sidecar_admin: list[str] = field(default_factory=list)
     envoy_admin: str = ""
+    usage_records: Path | None = None  # where the sidecars append usage records; default: workdir/usage.jsonl
     # Supervision (poll/supervise): restart an unexpected exit after a backoff
     # doubling from restart_backoff[0] to restart_backoff[1] seconds (back to the
     # start once a run lasted stable_after seconds); give up after give_up[0]
@@ -120,6 +121,8 @@ class Stack:
             self._tmp = tempfile.TemporaryDirectory(prefix="model-router-")
             self.workdir = Path(self._tmp.name)
         self.workdir = Path(self.workdir)
+        if self.usage_records is None:
+            self.usage_records = self.workdir / "usage.jsonl"
 
     # ----------------------------------------------------------------- public
 
@@ -208,6 +211,8 @@ class Stack:
                 "--grpc-listen", self.sidecar_grpc[i], "--admin-listen", self.sidecar_admin[i]]
         for name, url in self.demo_urls.items():
             argv += ["--backend-url", f"{name}={url}"]
+        if self.usage_records is not None:
+            argv += ["--usage-records", str(self.usage_records)]
         return argv
 
     def stop_sidecar(self, i: int | None = None, sig: int = signal.SIGTERM) -> None:

@@ -60,12 +60,14 @@ def clear_demo_requests(stack: Stack) -> None:
         httpx.delete(url + "/_demo/requests")
 
 
-def envoy_stat(stack: Stack, name: str) -> int:
+def envoy_stat(stack: Stack, name: str, exact: bool = False) -> int:
+    """An Envoy counter; summed over every stat whose name ends with ``name``
+    unless ``exact``."""
     text = httpx.get(f"http://{stack.envoy_admin}/stats", params={"filter": name}).text
     total = 0
     for line in text.splitlines():
         key, _, value = line.partition(": ")
-        if key.endswith(name) and value.strip().isdigit():
+        if (key == name if exact else key.endswith(name)) and value.strip().isdigit():
             total += int(value)
     return total
 
@@ -79,6 +81,54 @@ def sidecar_metric(text: str, name: str, **labels) -> float:
     return total
 
 
+def metered(stack: Stack, timeout: float = 3.0) -> bool:
+    """Wait until the sidecars have accounted every request Envoy had finished
+    when this was called.
+
+    Accounting travels in Envoy's access-log stream, flushed every
+    ``metering.flush_interval_ms``; a request's metrics trail its response by
+    up to that long. Entries a sidecar never received (it was down, or it
+    restarted and its counters began again) are remembered as lost, so later
+    calls wait only for what can still arrive. False when entries were missing
+    at ``timeout``.
+    """
+    import time
+
+    # The listener keeps its own copy of this counter: read the HCM's alone.
+    done = envoy_stat(stack, "http.model_router.downstream_rq_completed", exact=True)
+    lost = _LOST.get(id(stack), 0)
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = sum(sidecar_metric(t, "model_router_access_log_entries_total") for t in stack.metrics_text())
+        if seen + lost >= done:
+            return True
+        if time.monotonic() > deadline:
+            _LOST[id(stack)] = done - seen
+            return False
+        time.sleep(0.05)
+
+
+_LOST: dict[int, float] = {}
+
+
 def metric(stack: Stack, name: str, **labels) -> float:
-    """A metric summed over every sidecar process."""
+    """A metric summed over every sidecar process, once the requests Envoy
+    has finished are accounted."""
+    metered(stack)
     return sum(sidecar_metric(text, name, **labels) for text in stack.metrics_text())
+
+
+def wait_metric(stack: Stack, name: str, expected: float, timeout: float = 10.0, **labels) -> float:
+    """A metric once it reaches ``expected`` (or its value at ``timeout``).
+
+    Request accounting reaches the sidecar through Envoy's access-log stream,
+    flushed every ``metering.flush_interval_ms``, so it trails the response.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric(stack, name, **labels)
+        if value >= expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)

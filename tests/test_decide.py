@@ -79,8 +79,12 @@ def test_experiment_rewrites_model_and_plans_response(snap):
     assert body["stream_options"] == {"include_usage": True}
     p = r.plan
     assert (p.experiment, p.variant, p.assignment) == ("exp", "control", "sticky")
-    assert p.rewrite_model == "chat" and p.strip_injected_usage and p.read_usage and p.streaming
-    assert p.headers == (("x-continuum-experiment", "exp"), ("x-continuum-experiment-variant", "control"))
+    assert p.rewrite_model == "chat" and p.strip_injected_usage and p.read_usage and p.needs_response
+    md = r.metadata()
+    assert (md["x_experiment"], md["x_experiment_variant"]) == ("exp", "control")
+    assert (md["experiment"], md["variant"], md["assignment"], md["kind"]) == ("exp", "control", "sticky", "routed")
+    assert (md["client_model"], md["upstream_model"], md["backend"]) == ("chat", "m-a", r.backend.name)
+    assert md["rewrite_model"] == "chat" and md["strip_usage"] is True
 
 
 def test_client_usage_request_is_not_stripped(snap):

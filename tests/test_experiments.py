@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.assignment import assign
 
-from .conftest import clear_demo_requests, demo_requests, metric, sidecar_metric
+from .conftest import clear_demo_requests, demo_requests, metric, sidecar_metric, wait_metric
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +104,8 @@ def test_callers_without_key_are_random(stack):
     sticky = metric(stack, "model_experiment_requests_total", experiment="split", assignment="sticky")
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda _: arm(stack, None), range(200)))
-    assert metric(stack, "model_experiment_requests_total", experiment="split", assignment="random") - before == 200
+    assert wait_metric(stack, "model_experiment_requests_total", before + 200, experiment="split",
+                       assignment="random") - before == 200
     assert metric(stack, "model_experiment_requests_total", experiment="split", assignment="sticky") == sticky
 
 
@@ -169,6 +170,10 @@ def test_metrics_count_requests_tokens_and_statuses(stack):
     assert an.messages.count_tokens(model="chat-metered", messages=msgs).input_tokens > 0
 
     m = lambda name, **kw: metric(stack, name, experiment="metered", variant="only", **kw)  # noqa: E731
+    # Accounting arrives with Envoy's access log: wait for all 7 entries, then
+    # a little longer for anything that would be a double count.
+    wait_metric(stack, "model_experiment_requests_total", 7, experiment="metered", variant="only")
+    time.sleep(0.3)
     assert m("model_experiment_requests_total", status="success", assignment="sticky") == 5
     assert m("model_experiment_requests_total", status="server_error") == 1
     assert m("model_experiment_requests_total", status="client_error") == 1

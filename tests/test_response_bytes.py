@@ -17,6 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from .conftest import metric, wait_metric
+
 pytestmark = pytest.mark.integration
 
 UPSTREAM = b'"up-model"'
@@ -96,6 +98,7 @@ SCRIPTS = {
     "json-chunked": (JSON, JSON_BODY, False),
     "chat-sse": (SSE, CHAT_SSE, False),
     "injected-sse": (SSE, INJECTED_SSE, False),
+    "injected-sse-linger": (SSE, INJECTED_SSE, False),
     "responses-sse": (SSE, RESPONSES_SSE, False),
     "anthropic-sse": (SSE, ANTHROPIC_SSE, False),
 }
@@ -150,6 +153,8 @@ class Upstream:
             await response.write(data[last:point])
             await asyncio.sleep(0.02)
             last = point
+        if script.endswith("-linger"):
+            await asyncio.sleep(1.0)  # [DONE] is out; the stream's end comes later
         await response.write_eof()
         return response
 
@@ -161,6 +166,7 @@ class Upstream:
 
 
 CONFIG = """
+metering: {flush_interval_ms: 100}
 backends:
   - {name: scripted, url: "http://127.0.0.1:%d", models: [up-model]}
 model_experiments:
@@ -179,8 +185,12 @@ def upstream():
 
 
 @pytest.fixture(scope="module")
-def http(stack_factory, upstream):
-    stack = stack_factory(CONFIG % upstream.port)
+def stack(stack_factory, upstream):
+    return stack_factory(CONFIG % upstream.port)
+
+
+@pytest.fixture(scope="module")
+def http(stack):
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         yield client
 
@@ -224,3 +234,20 @@ def test_injected_usage_is_cut_out_byte_for_byte(http, upstream):
 def test_responses_and_anthropic_streams_keep_every_byte_but_the_model(http, path, script, raw):
     r = post(http, path, script, {"model": "chat", "stream": True, "input": "hi", "max_tokens": 5, "messages": []})
     assert r.content == raw.replace(UPSTREAM, CLIENT)
+
+
+def test_injected_usage_is_counted_when_the_client_leaves_after_done(stack, http):
+    """The client stops reading at [DONE] and closes, before the upstream ends
+    the stream: the usage the router cut out still counts on the arm."""
+    before = {k: metric(stack, "model_experiment_tokens_total", experiment="bytes", kind=k)
+              for k in ("prompt", "completion")}
+    body = orjson.dumps({"model": "chat", "stream": True, "messages": []})
+    with http.stream("POST", "/v1/chat/completions", content=body,
+                     headers={"content-type": JSON, "x-script": "injected-sse-linger"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break
+    after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1, timeout=5,
+                            experiment="bytes", kind=k) for k in ("prompt", "completion")}
+    assert (after["prompt"] - before["prompt"], after["completion"] - before["completion"]) == (3, 2)

@@ -213,6 +213,10 @@ def test_passive_health_holds_out_a_failing_backend(stack):
     """Last: e1 is held out for the rest of the module."""
     with pytest.raises(openai.InternalServerError):
         stack.oa.chat.completions.create(model="base", messages=[], extra_headers={"x-backend": "e1", "x-demo-status": "503"})
+    # The 503 reaches the sidecar in Envoy's access log, within a flush interval.
+    deadline = time.monotonic() + 5
+    while admin_backends(stack)["e1"]["held_out_s"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert admin_backends(stack)["e1"]["held_out_s"] > 0
     seen = {served_by(stack.oa.chat.completions.create(model="base", messages=[])) for _ in range(6)}
     assert seen == {"e2", "e3"}

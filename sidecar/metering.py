@@ -1,0 +1,216 @@
+"""Accounting off the request path: one access-log entry per request.
+
+Envoy sends every finished request to the sidecar's ``AccessLogService``
+(the gRPC access logger, batched). An entry carries the decision the sidecar
+published as dynamic metadata (``model_router``), the token usage Envoy's
+``json_to_metadata`` / ``sse_to_metadata`` filters read from the response
+(``model_router_usage``), the status and the timings. From it the sidecar
+computes the per-arm metrics, passive backend health and usage records; the
+request itself never waits for any of it.
+
+Delivery is best effort: the entries of a flush that finds no sidecar
+listening are lost (docs/metering.md says how to see the loss). Nothing here
+can fail or slow a client request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Mapping, Protocol
+
+import orjson
+
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from . import metrics
+from .response_stream import NAMESPACE, USAGE_NAMESPACE
+
+log = logging.getLogger("model_router.metering")
+
+# Kinds of decision that count as requests on an experiment arm.
+_COUNTED_KINDS = ("routed", "refusal", "answered")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What one access-log entry says about one request."""
+
+    decision: Mapping[str, Any]  # the sidecar's metadata; empty: the sidecar never decided
+    status: int  # 0: no response was sent
+    start: float  # unix time the request arrived
+    headers_s: float | None  # to the first byte sent to the client (the response headers)
+    total_s: float | None  # to the last byte sent to the client
+    prompt_tokens: int | None  # None: the response reported no usage
+    completion_tokens: int | None
+    upstream_failed: bool  # Envoy could not get a complete answer from the backend
+    client_gone: bool  # the client went away before the answer
+
+
+def _seconds(d) -> float | None:
+    return d.seconds + d.nanos / 1e9 if d.ByteSize() else None
+
+
+def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
+    for k in keys:
+        v = usage.get(k)
+        if isinstance(v, (int, float)) and v >= 0:
+            return int(v)
+    return None
+
+
+def entry_of(log_entry) -> Entry:
+    """Read an ``HTTPAccessLogEntry``; pure."""
+    common = log_entry.common_properties
+    meta = common.metadata.filter_metadata
+    decision = _plain(meta[NAMESPACE]) if NAMESPACE in meta else {}
+    usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
+    flags = common.response_flags
+    return Entry(
+        decision=decision,
+        status=log_entry.response.response_code.value,
+        start=common.start_time.seconds + common.start_time.nanos / 1e9,
+        headers_s=_seconds(common.time_to_first_downstream_tx_byte),
+        total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
+        prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
+        completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
+        upstream_failed=bool(
+            flags.upstream_connection_failure or flags.upstream_remote_reset
+            or flags.upstream_connection_termination or flags.upstream_request_timeout
+            or flags.upstream_protocol_error or flags.no_healthy_upstream
+        ),
+        client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+    )
+
+
+def _plain(struct) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in struct.fields.items():
+        which = v.WhichOneof("kind")
+        out[k] = v.string_value if which == "string_value" else v.bool_value if which == "bool_value" else (
+            v.number_value if which == "number_value" else None
+        )
+    return out
+
+
+def status_class(entry: Entry) -> str:
+    if entry.status >= 500 or (entry.status == 0 and not entry.client_gone):
+        return "server_error"
+    if entry.status >= 400 or entry.status == 0:
+        return "client_error"  # a client that left is the client's outcome
+    return "success"
+
+
+def usage_record(entry: Entry) -> dict[str, Any] | None:
+    """The usage record of a request the router resolved, or None. Never the key."""
+    d = entry.decision
+    kind = d.get("kind")
+    if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
+        return None
+    return {
+        "request_id": d.get("request_id"),
+        "time": datetime.fromtimestamp(entry.start, timezone.utc).isoformat(timespec="milliseconds"),
+        "key_id": d.get("key_id"),
+        "kind": kind,
+        "client_model": d.get("client_model"),
+        "upstream_model": d.get("upstream_model"),
+        "backend": d.get("backend"),
+        "experiment_id": d.get("experiment"),
+        "experiment_variant_id": d.get("variant"),
+        "assignment": d.get("assignment"),
+        "suffix": d.get("suffix"),
+        "status": entry.status,
+        "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
+        "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
+        "prompt_tokens": entry.prompt_tokens,
+        "completion_tokens": entry.completion_tokens,
+    }
+
+
+class Sink(Protocol):
+    def write(self, records: list[dict[str, Any]]) -> None: ...
+
+
+class JsonLinesSink:
+    """Usage records as JSON lines appended to a file (``-``: standard output).
+
+    Each batch is one ``write`` on an ``O_APPEND`` descriptor, so several
+    sidecar processes can share the file without interleaving lines.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = sys.stdout.fileno() if path == "-" else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            os.write(self._fd, b"".join(orjson.dumps(r) + b"\n" for r in records))
+
+    def close(self) -> None:
+        if self.path != "-":
+            os.close(self._fd)
+
+
+class Meter:
+    """Turns entries into metrics, passive health reports and usage records."""
+
+    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None) -> None:
+        self.report_failure = report_failure
+        self.sink = sink
+
+    def record(self, entries: Iterable[Entry]) -> None:
+        records = []
+        for e in entries:
+            metrics.ACCESS_LOG_ENTRIES.inc()
+            self._count(e)
+            if self.sink is not None and (rec := usage_record(e)) is not None:
+                records.append(rec)
+        if records and self.sink is not None:
+            try:
+                self.sink.write(records)
+            except OSError as exc:
+                metrics.USAGE_RECORDS_DROPPED.inc(len(records))
+                log.error("usage records could not be written: %s", exc)
+
+    def _count(self, e: Entry) -> None:
+        d = e.decision
+        kind = d.get("kind")
+        backend = d.get("backend")
+        if kind in ("routed", "passthrough", "count_tokens") and backend and (e.status >= 500 or e.upstream_failed):
+            self.report_failure(str(backend), e.status or None)
+        suffix = d.get("suffix")
+        if suffix and kind in ("routed", "answered"):
+            metrics.VARIANT_REQUESTS.labels(suffix, "true" if d.get("suffix_applied", True) else "false").inc()
+        experiment, variant = d.get("experiment"), d.get("variant")
+        if not experiment or not variant:
+            return
+        if kind in _COUNTED_KINDS:
+            metrics.EXPERIMENT_REQUESTS.labels(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
+            duration = e.headers_s if e.headers_s is not None else e.total_s
+            if duration is not None:
+                metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
+        if kind not in ("routed", "answered"):
+            return  # count_tokens reports the size of a prompt nobody ran
+        if e.prompt_tokens:
+            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "prompt").inc(e.prompt_tokens)
+        if e.completion_tokens:
+            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "completion").inc(e.completion_tokens)
+
+
+class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's gRPC access-log stream, one per Envoy worker thread."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+
+    async def StreamAccessLogs(self, request_iterator, context):
+        async for message in request_iterator:
+            try:
+                self.meter.record(entry_of(x) for x in message.http_logs.log_entry)
+            except Exception:  # accounting never takes the stream down
+                metrics.STREAM_ERRORS.inc()
+                log.exception("access-log batch could not be accounted")
+        return als_pb2.StreamAccessLogsResponse()

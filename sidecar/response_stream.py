@@ -1,0 +1,163 @@
+"""The response side: rewriting an answer whose body must change.
+
+Only requests whose decision says so reach this code: the decision sets
+``x-model-router-response: rewrite``, the route that header selects enables a
+second ext_proc filter that runs among the router's upstream filters, and
+that filter opens its own gRPC stream starting at the response headers. The
+stream carries the decision in its metadata context, so nothing is kept
+between the request stream and this one.
+
+Token usage is read by Envoy's ``json_to_metadata`` / ``sse_to_metadata``
+filters downstream of this one; when this stream removes what they would
+read (the usage chunk the router injected into a stream), it publishes the
+usage it saw itself, in the same metadata namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf import struct_pb2
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from .rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
+
+NAMESPACE = "model_router"
+USAGE_NAMESPACE = "model_router_usage"
+RESPONSE_HEADER = "x-model-router-response"
+
+
+def _mode(response_body: int) -> pm.ProcessingMode:
+    P = pm.ProcessingMode
+    return P(
+        request_header_mode=P.SKIP, request_body_mode=P.NONE, response_header_mode=P.SEND,
+        response_body_mode=response_body, request_trailer_mode=P.SKIP, response_trailer_mode=P.SKIP,
+    )
+
+
+_BUFFERED = _mode(pm.ProcessingMode.BUFFERED)  # a body of declared length: its new length goes with it
+_STREAMED = _mode(pm.ProcessingMode.STREAMED)
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """What the decision asked the response processor to do."""
+
+    model: str | None  # the top-level model to write, None: leave it
+    family: str
+    strip_usage: bool  # remove the usage the router injected into a stream
+
+
+def rewrite_of(metadata_context) -> Rewrite | None:
+    """The rewrite the request's decision published, or None when it asked for none."""
+    ns = metadata_context.filter_metadata.get(NAMESPACE)
+    if ns is None:
+        return None
+    fields = ns.fields
+    model = fields["rewrite_model"].string_value if "rewrite_model" in fields else ""
+    strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
+    family = fields["family"].string_value if "family" in fields else "openai"
+    if not model and not strip:
+        return None
+    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip)
+
+
+def usage_metadata(usage: Usage) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.update({USAGE_NAMESPACE: {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}})
+    return md
+
+
+def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
+    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in msg.headers.headers}
+
+
+class ResponseStream:
+    """One response being rewritten: JSON bodies whole, SSE event by event."""
+
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "published")
+
+    def __init__(self, plan: Rewrite) -> None:
+        self.plan = plan
+        self.rewriter: SSERewriter | None = None
+        self.buffer: bytearray | None = None  # chunked JSON, held to its end
+        self.buffered = False  # Envoy holds the headers and sends the whole body once
+        self.published: tuple[int, int] | None = None  # the usage last put in metadata
+
+    def headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        h = _headers(msg)
+        status = h.get(":status", "0")
+        encoding = h.get("content-encoding", "identity").lower()
+        if not status.startswith("2") or encoding != "identity" or msg.end_of_stream:
+            return resp
+        ctype = h.get("content-type", "").lower()
+        if ctype.startswith("text/event-stream"):
+            self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage)
+        elif "json" not in ctype:
+            return resp
+        length = h.get("content-length")
+        if length is None:
+            if self.rewriter is None:
+                self.buffer = bytearray()
+            resp.mode_override.CopyFrom(_STREAMED)
+        elif length.isdigit() and int(length) <= MAX_JSON_REWRITE:
+            # Envoy ignores a removed content-length in STREAMED mode and answers a
+            # changed body with a 503; BUFFERED takes the new length with the body.
+            self.buffered = True
+            resp.mode_override.CopyFrom(_BUFFERED)
+        else:
+            self.rewriter = None
+        return resp
+
+    def body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        out, usage = self._rewrite(msg)
+        resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
+        if usage is not None and usage.seen and self.plan.strip_usage:
+            # Published with the chunk that carried it, not at the end: a client
+            # that has read [DONE] may close before the stream's last message.
+            now = (usage.prompt_tokens, usage.completion_tokens)
+            if now != self.published:
+                self.published = now
+                resp.dynamic_metadata.CopyFrom(usage_metadata(usage))
+        if out is None or out == msg.body:
+            return resp
+        common = resp.response_body.response
+        if out:
+            common.body_mutation.body = out
+        else:
+            common.body_mutation.clear_body = True
+        if self.buffered:
+            opt = common.header_mutation.set_headers.add()
+            opt.header.key = "content-length"
+            opt.header.raw_value = str(len(out)).encode()
+        return resp
+
+    def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
+        """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""
+        model, family = self.plan.model, self.plan.family
+        if self.buffered:
+            if self.rewriter is not None:
+                out = self.rewriter.feed(msg.body) + self.rewriter.finish()
+                return out, self.rewriter.usage
+            return rewrite_json_body(msg.body, model, family)
+        if self.rewriter is not None:
+            out = self.rewriter.feed(msg.body)
+            if msg.end_of_stream:
+                out += self.rewriter.finish()
+            return out, self.rewriter.usage
+        if self.buffer is not None:
+            self.buffer += msg.body
+            if len(self.buffer) > MAX_JSON_REWRITE:
+                # Too large to rewrite: release what was held and pass the rest through.
+                out = bytes(self.buffer)
+                self.buffer = None
+                return out, None
+            if msg.end_of_stream:
+                out, usage = rewrite_json_body(bytes(self.buffer), model, family)
+                self.buffer = None
+                return out, usage
+            return b"", None
+        return None, None
