@@ -25,7 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from sidecar import metering, snapshot
 from sidecar.extproc import Processor
 from sidecar.config import parse
-from sidecar.decide import Request, authenticate, decide
+from sidecar.routing import Request, authenticate, decide
 from sidecar.ingress import lookup
 from sidecar.rewrite import SSERewriter, rewrite_json_body
 

@@ -363,6 +363,8 @@ class Config(_Model):
     monitor: Monitor = Monitor()
     web_search: WebSearch | None = None
     model_experiments: Annotated[list[Experiment], Field(max_length=MAX_EXPERIMENTS)] = []
+    # A model's ordered fallback models, tried when it has no admissible backend.
+    fallback_chains: dict[ModelName, list[ModelName]] = {}
     metering: Metering = Metering()
 
 
@@ -597,4 +599,66 @@ def check(config: Config) -> tuple[list[str], list[str]]:
                     f"model_experiments[{i}].variants[{j}].model: '{v.model}' is reserved by experiment "
                     f"'{reserved[v.model]}' but stays reachable through this experiment, which does not hide its variants"
                 )
+    _check_chains(config, reserved, errors, warnings)
     return errors, warnings
+
+
+def _check_chains(config: Config, reserved: dict[str, str], errors: list[str], warnings: list[str]) -> None:
+    """fallback_chains: known models only, no self-loops, no cycles; a warning
+    where an ordinary model's chain names a reserved model (it is skipped)."""
+    chains = config.fallback_chains
+    clients = {e.model for e in config.model_experiments}
+    declared = {m for b in config.backends if b.models for m in b.models}
+    declared |= {n for m in config.model_metadata for n in (m.id, *m.aliases)}
+    all_declared = all(b.models is not None for b in config.backends if b.enabled)
+    for origin, chain in chains.items():
+        p = f"fallback_chains.{origin}" if NAME_RE.fullmatch(origin) else f"fallback_chains[{origin!r}]"
+        if origin in clients:
+            errors.append(f"{p}: '{origin}' is an experiment's client model; chains start at the models its variants dispatch")
+        if not chain:
+            errors.append(f"{p}: a chain needs at least one fallback model")
+        seen: set[str] = set()
+        for j, hop in enumerate(chain):
+            hp = f"{p}[{j}]"
+            if hop == origin:
+                errors.append(f"{hp}: '{hop}' falls back to itself")
+            elif hop in seen:
+                errors.append(f"{hp}: '{hop}' is already in this chain")
+            elif hop in clients:
+                errors.append(f"{hp}: '{hop}' is an experiment's client model, not a model a backend serves")
+            elif all_declared and hop not in declared:
+                errors.append(f"{hp}: unknown model '{hop}' (no backend or model_metadata entry declares it)")
+            elif hop in reserved and origin not in reserved:
+                warnings.append(
+                    f"{hp}: '{hop}' is reserved by experiment '{reserved[hop]}'; this chain's origin is not, "
+                    "so the hop is skipped at run time"
+                )
+            seen.add(hop)
+    cycle = _cycle(chains)
+    if cycle:
+        errors.append(f"fallback_chains: the chains form a cycle: {' -> '.join(cycle)}")
+
+
+def _cycle(chains: dict[str, list[str]]) -> list[str] | None:
+    """One cycle through the chains (origin -> hop edges), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in chains.get(node, ()):
+            if nxt == node:
+                continue  # reported as a self-loop
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for origin in chains:
+        if origin not in state and (found := visit(origin)):
+            return found
+    return None

@@ -139,6 +139,7 @@ _ATTRIBUTION_KEYS = {
     "x-continuum-experiment-variant": "x_experiment_variant",
     "x-continuum-model-variant": "x_model_variant",
     "x-continuum-model-variant-applied": "x_model_variant_applied",
+    "x-continuum-fallback-model": "x_fallback_model",
 }
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 

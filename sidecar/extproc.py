@@ -1,7 +1,7 @@
 """The ext_proc gRPC adapter: Envoy's messages in, decisions out.
 
 One gRPC stream per HTTP request. The adapter translates Envoy's protobuf
-messages into :mod:`sidecar.decide` inputs and the decisions back into header
+messages into :mod:`sidecar.routing` inputs and the decisions back into header
 and body mutations or immediate responses; it holds no routing logic itself.
 
 Messages per request: request headers, then (for model-routed paths) the
@@ -30,7 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
 
-from . import decide, errors, listing, metrics, websearch
+from . import errors, listing, metrics, routing, websearch
 from .errors import Reply
 from .body import named_models
 from .ingress import canonical, family_for, lookup
@@ -121,7 +121,7 @@ class _Stream:
         self.path = "/"
         self.raw_path = "/"
         self.caller = None
-        self.route: decide.Route | None = None
+        self.route: routing.Route | None = None
 
     def meta(self) -> dict:
         """What every answer on this stream publishes besides the decision."""
@@ -190,7 +190,7 @@ class Processor(pbg.ExternalProcessorServicer):
         st.path = canonical(st.raw_path)
         st.ingress = ingress = lookup(st.path)
         st.family = family = family_for(st.path)
-        caller = decide.authenticate(snap, h, family)
+        caller = routing.authenticate(snap, h, family)
         if isinstance(caller, Reply):
             return self._refuse(caller, st)
         st.caller = caller
@@ -213,7 +213,7 @@ class Processor(pbg.ExternalProcessorServicer):
             if msg.end_of_stream:
                 return self._pass(st, b"", phase="headers")
             # Refuse early what no body can change (passthrough off, a restricted key).
-            early = decide.passthrough(snap, st.path, caller, family, [])
+            early = routing.passthrough(snap, st.path, caller, family, [])
             if isinstance(early, Reply):
                 return self._refuse(early, st)
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
@@ -232,7 +232,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if len(body) > st.snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
         models = named_models(st.path, body, st.headers.get("content-type", ""))
-        route = decide.passthrough(st.snap, st.path, st.caller, st.family, models)
+        route = routing.passthrough(st.snap, st.path, st.caller, st.family, models)
         if isinstance(route, Reply):
             return self._refuse(route, st)
         metrics.DECISIONS.labels("passthrough").inc()
@@ -248,13 +248,13 @@ class Processor(pbg.ExternalProcessorServicer):
         if len(body) > snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
         self._counter += 1
-        req = decide.Request(
+        req = routing.Request(
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
             now=time.time(), pick=self._counter, rand=self._rand.random(),
             states=self.runtime.backend_states(), mono=time.monotonic(),
         )
         try:
-            route = decide.decide(snap, req)
+            route = routing.decide(snap, req)
         except Exception:
             log.exception("decision failed for %s", st.path.partition("?")[0])
             route = errors.error("internal", "The router could not process this request.", st.family)
@@ -263,7 +263,7 @@ class Processor(pbg.ExternalProcessorServicer):
         metrics.DECISIONS.labels("routed").inc()
         return self._routed(st, route, phase)
 
-    def _routed(self, st: _Stream, route: decide.Route, phase: str) -> pb.ProcessingResponse:
+    def _routed(self, st: _Stream, route: routing.Route, phase: str) -> pb.ProcessingResponse:
         """The answer that sends a request on: header and body mutations, and
         the decision as dynamic metadata."""
         self._canonical_path(st, route)
@@ -297,12 +297,12 @@ class Processor(pbg.ExternalProcessorServicer):
         return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
 
     @staticmethod
-    def _canonical_path(st: _Stream, route: decide.Route) -> None:
+    def _canonical_path(st: _Stream, route: routing.Route) -> None:
         """Send upstream the spelling the decision was made on."""
         if route.path is None and st.raw_path != st.path:
             route.path = st.path
 
-    def _route_common(self, st: _Stream, route: decide.Route) -> pb.CommonResponse | Reply:
+    def _route_common(self, st: _Stream, route: routing.Route) -> pb.CommonResponse | Reply:
         """The request-header mutation that carries a route, or a 431 when it
         would take the request past Envoy's header limits (Envoy would answer
         that mutation with a 503 that blames the server)."""

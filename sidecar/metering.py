@@ -122,6 +122,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "experiment_variant_id": d.get("variant"),
         "assignment": d.get("assignment"),
         "suffix": d.get("suffix"),
+        "fallback_from": d.get("fallback_from"),
         "status": entry.status,
         "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
         "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
@@ -185,6 +186,9 @@ class Meter:
         if suffix and kind in ("routed", "answered"):
             metrics.VARIANT_REQUESTS.labels(suffix, "true" if d.get("suffix_applied", True) else "false").inc()
         experiment, variant = d.get("experiment"), d.get("variant")
+        if kind in ("routed", "answered") and d.get("fallback_to"):
+            metrics.FALLBACKS.labels(experiment or "", variant or "", d.get("fallback_from") or "",
+                                     d["fallback_to"], d.get("fallback_reason") or "").inc()
         if not experiment or not variant:
             return
         if kind in _COUNTED_KINDS:

@@ -78,6 +78,14 @@ STREAM_ERRORS = Counter(
 )
 
 
+FALLBACKS = Counter(
+    "model_router_fallbacks_total",
+    "Requests served by a fallback-chain hop (experiment and variant empty outside experiments; "
+    "the arm's own metrics still count them).",
+    ["experiment", "variant", "from_model", "to_model", "reason"],
+    registry=REGISTRY,
+)
+
 ACCESS_LOG_ENTRIES = Counter(
     "model_router_access_log_entries_total",
     "Per-request access-log entries received from Envoy (compare with Envoy's own count to see loss).",
@@ -125,6 +133,15 @@ def prime(config: Config) -> None:
             for status in STATUSES:
                 for assignment in ASSIGNMENTS:
                     EXPERIMENT_REQUESTS.labels(e.name, v.id, status, assignment)
+    chains = config.fallback_chains
+    for origin, chain in chains.items():
+        for hop in chain:
+            FALLBACKS.labels("", "", origin, hop, "no_admissible_backend")
+    for e in config.model_experiments:
+        if e.fallback == "cross_variant":
+            for v in e.variants:
+                for hop in chains.get(v.model, ()):
+                    FALLBACKS.labels(e.name, v.id, v.model, hop, "no_admissible_backend")
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):

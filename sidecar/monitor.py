@@ -42,6 +42,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from .config import Monitor as MonitorConfig
+from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
 
 __all__ = [
@@ -111,19 +112,8 @@ class BackendState:
         return self.scraped_at is not None and now - self.scraped_at <= freshness_s
 
     def admissible(self, now: float, max_waiting: int | None, freshness_s: float | None = None) -> bool:
-        """Healthy, not held out at ``now``, and not saturated.
-
-        Saturated means more than ``max_waiting`` queued requests; an unknown
-        queue (``waiting`` is None, or, when ``freshness_s`` is given, the scrape
-        is older than that) never blocks.
-        """
-        if not self.healthy or now < self.held_out_until:
-            return False
-        if max_waiting is None or self.waiting is None:
-            return True
-        if freshness_s is not None and not self.fresh(now, freshness_s):
-            return True
-        return self.waiting <= max_waiting
+        """:func:`sidecar.routing.admissible`, the rule routing applies too."""
+        return admissible(self, now, max_waiting, freshness_s)
 
 
 # --------------------------------------------------------------------------- pure helpers

@@ -21,7 +21,7 @@ ROUTER_HEADER_PREFIXES = ("x-model-router-", "x-continuum-")
 # Response headers the router sets to attribute a request; upstream copies are dropped.
 ATTRIBUTION_HEADERS = (
     "x-continuum-experiment", "x-continuum-experiment-variant",
-    "x-continuum-model-variant", "x-continuum-model-variant-applied",
+    "x-continuum-model-variant", "x-continuum-model-variant-applied", "x-continuum-fallback-model",
 )
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from sidecar import snapshot
 from sidecar.config import parse
-from sidecar.decide import Caller, Request, authenticate, decide, passthrough
+from sidecar.routing import Caller, Request, authenticate, decide, passthrough
 from sidecar.errors import Reply
 from sidecar.ingress import INGRESSES, lookup
 

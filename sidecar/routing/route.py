@@ -1,0 +1,96 @@
+"""What a decision hands to the adapter: the route, and the plan for its answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..snapshot import BackendInfo, Snapshot
+
+Meta = dict[str, "str | bool"]
+
+
+@dataclass(slots=True)
+class ResponsePlan:
+    """What a routed request's answer carries: its attribution, published to
+    Envoy as dynamic metadata, and what (if anything) must change in it."""
+
+    family: str
+    kind: str = "routed"  # routed | count_tokens (counted for tokens only)
+    rewrite_model: str | None = None  # top-level model to write into the response
+    read_usage: bool = False  # the response's token usage is counted
+    strip_injected_usage: bool = False
+    experiment: str | None = None
+    variant: str | None = None
+    assignment: str | None = None  # "sticky" | "random"
+    attribute: bool = False  # send x-continuum-experiment[-variant]
+    suffix: str | None = None  # nitro | floor | thinking | online
+    suffix_applied: bool = True
+    fallback: Fallback | None = None
+
+    @property
+    def needs_response(self) -> bool:
+        """Whether the response body itself must change (the only reason the
+        sidecar sees a response)."""
+        return self.rewrite_model is not None or self.strip_injected_usage
+
+    def metadata(self) -> Meta:
+        """The decision as Envoy dynamic metadata: read back by the access log
+        (metrics, usage records), by the route's response headers (``x_*``
+        keys) and by the response processor."""
+        m: Meta = {"kind": self.kind, "family": self.family}
+        if self.experiment is not None:
+            m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
+            if self.attribute:
+                m.update(x_experiment=self.experiment, x_experiment_variant=self.variant or "")
+        if self.suffix is not None:
+            m.update(suffix=self.suffix, suffix_applied=self.suffix_applied, x_model_variant=self.suffix)
+            if not self.suffix_applied:
+                m["x_model_variant_applied"] = "false"
+        if self.fallback is not None:
+            m.update(fallback_from=self.fallback.origin, fallback_to=self.fallback.served,
+                     fallback_reason=self.fallback.reason)
+            if self.fallback.announce:
+                m["x_fallback_model"] = self.fallback.served
+        if self.needs_response:
+            m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
+        return m
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """A request served by a hop of its model's fallback chain."""
+
+    origin: str  # the model the request (or its arm) dispatches first
+    served: str  # the hop's model
+    reason: str  # no_admissible_backend
+    announce: bool  # name the served model in a response header (never a reserved one)
+
+
+@dataclass(slots=True)
+class Route:
+    backend: BackendInfo
+    client_model: str
+    upstream_model: str
+    body: bytes | None = None  # replacement request body, None = unchanged
+    path: str | None = None  # replacement :path, None = unchanged
+    set_headers: tuple[tuple[str, str], ...] = ()
+    remove_headers: tuple[str, ...] = ()
+    plan: ResponsePlan | None = None
+
+    def metadata(self) -> Meta:
+        m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
+        m["backend"] = self.backend.name
+        if self.client_model:
+            m.update(client_model=self.client_model, upstream_model=self.upstream_model)
+        return m
+
+
+def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Credentials toward the backend; a router key never travels upstream."""
+    if backend.api_key:
+        if backend.family == "anthropic":
+            return (("x-api-key", backend.api_key),), ("authorization",)
+        return (("authorization", f"Bearer {backend.api_key}"),), ("x-api-key",)
+    if snap.keys is not None:
+        return (), ("authorization", "x-api-key")
+    return (), ()
