@@ -17,17 +17,16 @@ import time
 import timeit
 
 import orjson
-
 from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from sidecar import metering, snapshot
-from sidecar.extproc import Processor
 from sidecar.config import parse
-from sidecar.routing import Request, authenticate, decide
+from sidecar.extproc import Processor
 from sidecar.ingress import lookup
 from sidecar.rewrite import SSERewriter, rewrite_json_body
+from sidecar.routing import Request, authenticate, decide
 
 CONFIG = """
 backends:

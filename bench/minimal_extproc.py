@@ -24,7 +24,6 @@ import signal
 import grpc
 import orjson
 import uvloop
-
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb

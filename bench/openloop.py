@@ -27,15 +27,14 @@ import socket
 import sys
 import time
 
-import uvloop
-
 import _http
+import uvloop
 
 
 class Conn(asyncio.Protocol):
     """One keep-alive connection carrying one request at a time."""
 
-    def __init__(self, gen: "Generator") -> None:
+    def __init__(self, gen: Generator) -> None:
         self.gen = gen
         self.parser = _http.ResponseParser()
         self.transport: asyncio.Transport | None = None

@@ -68,7 +68,8 @@ import _http  # noqa: E402
 from sidecar import config as config_mod  # noqa: E402
 from sidecar import envoyconf  # noqa: E402
 from sidecar.stack import Stack, StackError, envoy_binary, free_port  # noqa: E402
-from sidecar.stack import wait_http as stack_wait_http, wait_tcp as stack_wait_tcp  # noqa: E402
+from sidecar.stack import wait_http as stack_wait_http  # noqa: E402
+from sidecar.stack import wait_tcp as stack_wait_tcp  # noqa: E402
 
 KEYS = 1000
 BACKEND_HEADER = "x-model-router-backend"
@@ -185,7 +186,7 @@ class Procs:
             raise BenchError(f"{name} exited with code {p.returncode}:\n{self.log(name)}")
 
     def stop_all(self) -> None:
-        for name, p in reversed(list(self.items.items())):
+        for p in reversed(list(self.items.values())):
             if p.poll() is not None:
                 continue
             try:
@@ -364,7 +365,7 @@ def foreign_ticks() -> dict[int, tuple[str, int]]:
         fields = rest.split()
         info[int(entry.name)] = (int(fields[1]), head.partition("(")[2], int(fields[11]) + int(fields[12]))
     out = {}
-    for pid, (ppid, comm, ticks) in info.items():
+    for pid, (_ppid, comm, ticks) in info.items():
         p, ours, kernel = pid, False, False
         for _ in range(64):
             if p == me:
@@ -786,7 +787,7 @@ def machine() -> dict:
         pass
     wrk_version = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": os.cpu_count(),
         "cpu": model,
         "memory": mem,

@@ -45,7 +45,7 @@ def run(args) -> dict:
         first: list[float] = []
         seen = bytearray()
 
-        def on_body(piece: bytes) -> None:
+        def on_body(piece: bytes, first: list[float] = first, seen: bytearray = seen) -> None:
             if first:
                 return
             seen.extend(piece)
@@ -65,7 +65,7 @@ def run(args) -> dict:
                 statuses = parser.feed(data)
                 if statuses:
                     status = statuses[0]
-        except socket.timeout:
+        except TimeoutError:
             if measured:
                 errors["timeout"] += 1
             sock.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from .assign_service import Answer, InvalidArgument, UnknownExperiment, answer
 
@@ -46,13 +46,13 @@ def parse_time(text: str) -> float:
             f"--at must be a unix time or an ISO-8601 instant such as 2026-01-05T21:37:45Z, got {text!r}"
         ) from None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 
 def _iso(t: float) -> str:
     try:
-        dt = datetime.fromtimestamp(t, timezone.utc)
+        dt = datetime.fromtimestamp(t, UTC)
     except (OverflowError, OSError, ValueError):
         return "(outside the calendar range)"
     spec = "seconds" if t == math.floor(t) else "microseconds"

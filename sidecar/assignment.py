@@ -32,9 +32,9 @@ import numbers
 import os
 import struct
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
 
 __all__ = [
     "ALGORITHM",

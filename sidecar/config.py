@@ -165,7 +165,7 @@ class Backend(_Model):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL, or demo://")
         try:
-            parts.port
+            _ = parts.port  # urlsplit checks the port only when it is read
         except ValueError as exc:
             raise ValueError(f"bad port: {exc}") from None
         if parts.query or parts.fragment:

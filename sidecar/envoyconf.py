@@ -17,7 +17,8 @@ The layout:
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import yaml
 

@@ -19,20 +19,19 @@ import logging
 import os
 import random
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import orjson
-from google.protobuf import duration_pb2, struct_pb2
-
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from . import errors, listing, metrics, routing, websearch
-from .errors import Reply
 from .body import named_models
+from .errors import Reply
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
 from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, rewrite_of, usage_metadata

@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from datetime import UTC, datetime
+from typing import Any, Protocol
 
 import orjson
-
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from . import metrics
@@ -112,7 +112,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         return None
     return {
         "request_id": d.get("request_id"),
-        "time": datetime.fromtimestamp(entry.start, timezone.utc).isoformat(timespec="milliseconds"),
+        "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
         "key_id": d.get("key_id"),
         "kind": kind,
         "client_model": d.get("client_model"),

@@ -32,9 +32,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -595,7 +595,7 @@ class Monitor:
                         raise _PollError("body too large")
                     chunks.append(chunk)
                 return b"".join(chunks)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _PollError(f"no answer within {mon.timeout_s}s") from None
         except aiohttp.ClientError as exc:
             raise _PollError(type(exc).__name__) from None

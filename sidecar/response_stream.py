@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from google.protobuf import struct_pb2
-
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
 

@@ -8,15 +8,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import config as config_mod
 from . import listing, metrics, snapshot

@@ -6,9 +6,9 @@ changes); the request path only reads dictionaries from it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 from urllib.parse import urlsplit
 
 from .assignment import Race, salt_prefix

@@ -16,9 +16,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from . import config as config_mod
 from . import envoyconf
@@ -130,7 +130,7 @@ class Stack:
     def url(self) -> str:
         return f"http://{self.listen}"
 
-    def start(self, timeout: float = 60.0) -> "Stack":
+    def start(self, timeout: float = 60.0) -> Stack:
         try:
             loaded = config_mod.load(self.config_path)
         except config_mod.ConfigError as exc:
@@ -278,7 +278,7 @@ class Stack:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

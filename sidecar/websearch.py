@@ -119,7 +119,7 @@ async def search(session: aiohttp.ClientSession, cfg: WebSearch, query: str) -> 
             raw = await resp.read()
             if resp.status >= 400:
                 raise SearchError(f"the search provider answered HTTP {resp.status}")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise SearchError(f"the search provider did not answer within {cfg.timeout_s:g} s") from None
     except aiohttp.ClientError as exc:
         raise SearchError(f"the search provider could not be reached ({type(exc).__name__})") from None
@@ -160,7 +160,7 @@ class Loop:
             async with session.post(url + self.path, data=orjson.dumps(body), headers=self.headers, timeout=timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamError(504, f"the model did not answer within {self.cfg.timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(502, f"the model's backend could not be reached ({type(exc).__name__})") from None
@@ -268,7 +268,7 @@ async def run(
         metrics.WEB_SEARCH_REQUESTS.labels("upstream_error").inc()
         kind = "gateway_timeout" if exc.status == 504 else "bad_gateway"
         return errors.error(kind, f"The :online request failed: {exc}.", "openai")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         metrics.WEB_SEARCH_REQUESTS.labels("deadline").inc()
         return errors.error(
             "gateway_timeout", f"The :online request did not finish within {cfg.deadline_s:g} s.", "openai"

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
-
-import os
 
 import httpx
 import pytest

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import grpc
@@ -172,7 +172,7 @@ def test_cli_score_table(config_path):
 
 def test_cli_ttl_both_sides_of_a_boundary(config_path):
     key, b = key_changing_at_boundary()
-    iso = datetime.fromtimestamp(b, timezone.utc)
+    iso = datetime.fromtimestamp(b, UTC)
     cases = [
         (str(b - 0.5), b - 0.5),
         (str(int(b)), b),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from sidecar.cli import template_text
 from sidecar.config import ConfigError, parse
@@ -162,7 +163,7 @@ def test_not_yaml_and_not_mapping():
 
 def test_config_is_immutable():
     cfg = parse(BASE, env={"KEY_B": "x"}).config
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.backends[0].name = "z"
 
 

@@ -7,9 +7,9 @@ import pytest
 
 from sidecar import snapshot
 from sidecar.config import parse
-from sidecar.routing import Caller, Request, authenticate, decide, passthrough
 from sidecar.errors import Reply
 from sidecar.ingress import INGRESSES, lookup
+from sidecar.routing import Caller, Request, authenticate, decide, passthrough
 
 CONFIG = """
 backends:

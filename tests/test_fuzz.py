@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from sidecar import snapshot
-from sidecar.routing import suffixes as variants
 from sidecar.body import set_top_level, top_level_spans
 from sidecar.config import Config, ConfigError, parse
-from sidecar.routing import Route, Request, authenticate, decide
 from sidecar.errors import Reply
 from sidecar.ingress import INGRESSES
 from sidecar.rewrite import SSERewriter, rewrite_json_body
+from sidecar.routing import Request, Route, authenticate, decide
+from sidecar.routing import suffixes as variants
 
 
 def fuzz(max_examples: int) -> settings:

@@ -12,8 +12,7 @@ from aiohttp import web
 
 from sidecar.stack import free_port
 
-from .conftest import clear_demo_requests, demo_requests
-from .conftest import metric
+from .conftest import clear_demo_requests, demo_requests, metric
 
 pytestmark = pytest.mark.integration
 

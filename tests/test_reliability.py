@@ -8,8 +8,8 @@ behaviour (statuses, bodies, where requests landed), never about latency.
 from __future__ import annotations
 
 import asyncio
-import json
 import itertools
+import json
 import signal
 import socket
 import threading
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import pytest
-
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+
 from sidecar.assignment import assign
 from sidecar.stack import free_port
 
@@ -271,7 +271,7 @@ class StubServer:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.server = None
 
-    def start(self) -> "StubServer":
+    def start(self) -> StubServer:
         self.thread.start()
 
         async def boot():

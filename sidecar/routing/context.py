@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import errors
-from ..body import BodyError, check_model_name, multipart_model, parse_json, query_model
+from ..body import BodyError, FormField, check_model_name, multipart_model, parse_json, query_model
 from ..config import ApiKey, Experiment
 from ..errors import Reply
 from ..ingress import Ingress
 from ..snapshot import Snapshot
+from .selection import BackendView
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Request:
     pick: int = 0  # round-robin counter
     rand: float = 0.0  # uniform in [0, 1)
     random_bytes: Callable[[int], bytes] = os.urandom
-    states: Mapping[str, object] = field(default_factory=dict)  # backend -> monitor state
+    states: Mapping[str, BackendView] = field(default_factory=dict)  # backend -> monitor state
     mono: float = 0.0  # monotonic clock, the monitor's time base
 
 
@@ -71,8 +73,8 @@ class Parsed:
     """The model a request names, and where it sits in the request."""
 
     model: str
-    json: dict | None = None
-    form_field: object | None = None
+    json: dict[str, Any] | None = None
+    form_field: FormField | None = None
 
 
 def parse(req: Request) -> Parsed:
@@ -86,10 +88,10 @@ def parse(req: Request) -> Parsed:
     if kind == "multipart":
         model, f = multipart_model(req.body, req.headers.get("content-type", ""))
         return Parsed(model, form_field=f)
-    model = query_model(req.path)
-    if model is None:
+    named = query_model(req.path)
+    if named is None:
         raise BodyError("missing_model", "The 'model' query parameter is required.")
-    return Parsed(check_model_name(model))
+    return Parsed(check_model_name(named))
 
 
 def sticky_value(exp: Experiment, req: Request, parsed: Parsed) -> str | None:

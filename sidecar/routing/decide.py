@@ -8,6 +8,7 @@ experiment -> selection (over the fallback chain) -> plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .. import errors
 from ..assignment import is_blank
@@ -18,6 +19,8 @@ from . import selection
 from .context import Parsed, Request, parse, sticky_value
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .suffixes import SUFFIXES, Suffix, split
+
+Edits = dict[str, Any]  # top-level body fields to set
 
 
 @dataclass(slots=True)
@@ -115,7 +118,7 @@ def _candidates(snap: Snapshot, name: str, allowed: set[str] | None) -> tuple[st
 def _select(
     snap: Snapshot, req: Request, parsed: Parsed, target: _Target, requested: str, word: str | None,
     plan: ResponsePlan,
-) -> tuple[str, BackendInfo, dict] | Reply:
+) -> tuple[str, BackendInfo, Edits] | Reply:
     """The first attempt, then the hops of the fallback chain: (model, backend, body edits)."""
     family = req.ingress.family
     model, candidates = _candidates(snap, target.model, target.allowed)
@@ -125,7 +128,7 @@ def _select(
         return errors.model_not_found(requested, family)
     suffix = SUFFIXES[word] if word is not None else None
     data = parsed.json or {}
-    edits: dict = {}
+    edits: Edits = {}
     if suffix is not None:
         checked = _suffix_checks(snap, model, candidates, suffix, data, requested, word or "", family)
         if isinstance(checked, Reply):
@@ -162,9 +165,9 @@ def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
 
 
 def _suffix_checks(
-    snap: Snapshot, model: str, candidates: list[BackendInfo], suffix: Suffix, data: dict, requested: str,
+    snap: Snapshot, model: str, candidates: list[BackendInfo], suffix: Suffix, data: Edits, requested: str,
     word: str, family: str,
-) -> tuple[list[BackendInfo], dict] | Reply:
+) -> tuple[list[BackendInfo], Edits] | Reply:
     """Refusals a suffix can cause before anything is chosen, and its edits."""
     if suffix.thinking:
         meta = snap.meta(model)
@@ -185,7 +188,7 @@ def _suffix_checks(
 
 def _build(
     snap: Snapshot, req: Request, parsed: Parsed, client_model: str, plan: ResponsePlan,
-    upstream: str, chosen: BackendInfo, edits: dict,
+    upstream: str, chosen: BackendInfo, edits: Edits,
 ) -> Route:
     """The request as the backend gets it: model, stream usage, path, credentials."""
     ingress = req.ingress
