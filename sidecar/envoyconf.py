@@ -105,12 +105,21 @@ def _local_reply_config() -> dict:
             "match_if_key_not_found": False,
         }
     }
-    anthropic_path = {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}}
+    # The decision's family once the sidecar has decided (it may have rewritten
+    # /anthropic/v1/messages to the backend's /v1/messages); the path before that.
+    anthropic = {"or_filter": {"filters": [
+        {"metadata_filter": {
+            "matcher": {"filter": REPLY_NAMESPACE, "path": [{"key": "family"}],
+                        "value": {"string_match": {"exact": "anthropic"}}},
+            "match_if_key_not_found": False,
+        }},
+        {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
+    ]}}
     return {
         "mappers": [
             {"filter": ours},
             {
-                "filter": {"and_filter": {"filters": [_status_at_least(400), anthropic_path]}},
+                "filter": {"and_filter": {"filters": [_status_at_least(400), anthropic]}},
                 "body_format_override": {
                     "json_format": {"type": "error", "error": {"type": "api_error", "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"}},
                     "content_type": "application/json",
