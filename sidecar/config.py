@@ -119,7 +119,11 @@ class Envoy(_Model):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "127.0.0.1:9901"
     concurrency: Annotated[int, Field(ge=1, le=64)] = 2
-    upstream_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 300
+    # The longest silence between bytes of a request or its answer (covers the
+    # wait for a buffered answer's first byte); a live stream is never cut by it.
+    idle_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 300
+    # The whole exchange, long streams included; 0: no bound beyond the idle timeout.
+    upstream_timeout_s: Annotated[int, Field(ge=0, le=86_400)] = 3600
     # Envoy's limits for a request's headers (its own defaults). The sidecar
     # answers 431 when its routing headers would push a request past them.
     max_request_headers: Annotated[int, Field(ge=32, le=1000)] = 100

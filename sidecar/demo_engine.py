@@ -102,6 +102,7 @@ class _Hooks:
     """Reply-shaping options read from the ``x-demo-*`` request headers."""
 
     interval_ms: int = 0
+    delay_ms: int = 0  # before the answer starts (its headers)
     events: int | None = None
     split: bool = False
     crlf: bool = False
@@ -327,7 +328,9 @@ class _Engine:
 
     def read_hooks(self, request: web.Request) -> _Hooks:
         hooks = _Hooks()
-        for header, attr in (("x-demo-interval-ms", "interval_ms"), ("x-demo-events", "events")):
+        for header, attr in (
+            ("x-demo-interval-ms", "interval_ms"), ("x-demo-delay-ms", "delay_ms"), ("x-demo-events", "events"),
+        ):
             raw = request.headers.get(header)
             if raw is None:
                 continue
@@ -380,6 +383,8 @@ class _Engine:
             return rej.response
         self.state.in_flight += 1
         try:
+            if request[_PARSED].hooks.delay_ms:
+                await asyncio.sleep(request[_PARSED].hooks.delay_ms / 1000)
             return await handler(request)
         except _Reject as rej:
             return rej.response

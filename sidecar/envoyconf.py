@@ -94,11 +94,25 @@ def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
 REPLY_NAMESPACE = "model_router"
 
 
-def _status_at_least(code: int) -> dict:
-    return {"status_code_filter": {"comparison": {"op": "GE", "value": {"default_value": code, "runtime_key": "model_router.local_reply_min_status"}}}}
+def _status(op: str, code: int) -> dict:
+    return {"status_code_filter": {"comparison": {
+        "op": op, "value": {"default_value": code, "runtime_key": f"model_router.local_reply_status_{op.lower()}"},
+    }}}
+
+
+_ANTHROPIC_ERROR = {"type": "error", "error": {"type": "api_error", "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"}}
+_OPENAI_ERROR = {"error": {
+    "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "type": "server_error", "param": None,
+    "code": "%RESPONSE_CODE%",
+}}
+# The OpenAI and Anthropic SDKs retry a 504 unless told not to: a timeout the
+# router produced would only run the same long request again upstream.
+_NO_RETRY = [{"header": {"key": "x-should-retry", "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
 
 
 def _local_reply_config() -> dict:
+    """Envoy's own error replies as JSON in the request's API family. The
+    sidecar's replies (marked ``reply``) are left as they are."""
     ours = {
         "metadata_filter": {
             "matcher": {"filter": REPLY_NAMESPACE, "path": [{"key": "reply"}], "value": {"present_match": True}},
@@ -115,32 +129,15 @@ def _local_reply_config() -> dict:
         }},
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
-    return {
-        "mappers": [
-            {"filter": ours},
-            {
-                "filter": {"and_filter": {"filters": [_status_at_least(400), anthropic]}},
-                "body_format_override": {
-                    "json_format": {"type": "error", "error": {"type": "api_error", "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"}},
-                    "content_type": "application/json",
-                },
-            },
-            {
-                "filter": _status_at_least(400),
-                "body_format_override": {
-                    "json_format": {
-                        "error": {
-                            "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)",
-                            "type": "server_error",
-                            "param": None,
-                            "code": "%RESPONSE_CODE%",
-                        }
-                    },
-                    "content_type": "application/json",
-                },
-            },
-        ]
-    }
+    mappers: list[dict] = [{"filter": ours}]
+    for status, extra in ((_status("EQ", 504), {"headers_to_add": _NO_RETRY}), (_status("GE", 400), {})):
+        for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _OPENAI_ERROR)):
+            match = {"and_filter": {"filters": [status, family]}} if family else status
+            mappers.append({
+                "filter": match, **extra,
+                "body_format_override": {"json_format": body, "content_type": "application/json"},
+            })
+    return {"mappers": mappers}
 
 
 # The decision's metadata keys that become response headers.
@@ -165,13 +162,16 @@ def _attribution_headers() -> list[dict]:
     ]
 
 
-def _routes(timeout_s: int) -> list[dict]:
+def _routes(timeout_s: int, idle_timeout_s: int) -> list[dict]:
     """Two routes to the same cluster: the one the decision selects (with
     ``x-model-router-response``) runs the response processor among its
     upstream filters; every other request skips it."""
     action = {
         "cluster_header": BACKEND_HEADER,
+        # A reasoning model may stream for many minutes: the route bounds silence
+        # (idle_timeout) and, far larger, the whole exchange (timeout, 0: none).
         "timeout": f"{timeout_s}s",
+        "idle_timeout": f"{idle_timeout_s}s",
         "auto_host_rewrite": True,
         "retry_policy": {"retry_on": "connect-failure,reset-before-request", "num_retries": 1},
     }
@@ -360,7 +360,7 @@ def bootstrap(
         # header mutation that would take a request past them.
         "common_http_protocol_options": {"max_headers_count": config.envoy.max_request_headers},
         "max_request_headers_kb": config.envoy.max_request_headers_kb,
-        "stream_idle_timeout": f"{timeout_s}s",
+        "stream_idle_timeout": f"{config.envoy.idle_timeout_s}s",
         "request_timeout": "0s",
         "route_config": {
             "name": "model_router",
@@ -373,7 +373,7 @@ def bootstrap(
                 {
                     "name": "all",
                     "domains": ["*"],
-                    "routes": _routes(timeout_s),
+                    "routes": _routes(timeout_s, config.envoy.idle_timeout_s),
                 }
             ],
         },

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import openai
 import pytest
+
+from .conftest import clear_demo_requests, demo_requests
 
 pytestmark = pytest.mark.integration
 
@@ -36,3 +39,39 @@ def test_an_unreachable_backend_answers_openai_callers_in_openai_shape(stack):
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "gpt-gone", "messages": []})
     assert r.status_code == 503
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# --------------------------------------------------------------------------- timeouts
+
+TIMEOUTS = """
+envoy: {idle_timeout_s: 1, upstream_timeout_s: 0}
+monitor: {passive_holdout_s: 0}
+backends:
+  - {name: slow, url: "demo://", models: [slow-model]}
+"""
+
+
+@pytest.fixture(scope="module")
+def slow(stack_factory):
+    return stack_factory(TIMEOUTS)
+
+
+def test_a_stream_outlives_the_idle_timeout_while_it_keeps_producing(slow):
+    """25 events 100 ms apart, paced by the engine: 2.5 s in all, never 1 s silent."""
+    client = openai.OpenAI(base_url=slow.url + "/v1", api_key="any",
+                           default_headers={"x-demo-events": "25", "x-demo-interval-ms": "100"})
+    chunks = list(client.chat.completions.create(model="slow-model", messages=[], stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks if c.choices) == 25
+
+
+def test_a_silent_upstream_gets_a_504_the_sdk_does_not_retry(slow):
+    clear_demo_requests(slow)
+    client = openai.OpenAI(base_url=slow.url + "/v1", api_key="any", max_retries=2,
+                           default_headers={"x-demo-delay-ms": "2500"})
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model="slow-model", messages=[])
+    assert exc.value.status_code == 504
+    assert exc.value.response.headers["x-should-retry"] == "false"
+    assert set(exc.value.response.json()["error"]) == {"message", "type", "param", "code"}
+    assert len(demo_requests(slow, "slow")) == 1  # one upstream attempt, not three

@@ -433,7 +433,7 @@ TOP = list(Config.model_fields)
 SECTION_FIELDS = {
     "server": ["grpc_listen", "admin_listen", "workers", "max_body_bytes", "admin_token", "message_timeout_ms",
                "reload_interval_ms"],
-    "envoy": ["listen", "admin_listen", "concurrency", "upstream_timeout_s"],
+    "envoy": ["listen", "admin_listen", "concurrency", "idle_timeout_s", "upstream_timeout_s"],
     "proxy": ["selection", "variant_suffixes"],
     "monitor": ["enabled", "probe_interval_s", "freshness_s", "max_waiting", "passive_holdout_s"],
 }
