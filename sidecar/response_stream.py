@@ -8,9 +8,9 @@ stream carries the decision in its metadata context, so nothing is kept
 between the request stream and this one.
 
 Token usage is read by Envoy's ``json_to_metadata`` / ``sse_to_metadata``
-filters downstream of this one; when this stream removes what they would
-read (the usage chunk the router injected into a stream), it publishes the
-usage it saw itself, in the same metadata namespace.
+filters downstream of this one. This stream publishes the usage it saw in
+the same metadata namespace too, for what those filters cannot read: the
+usage chunk it removed, and payloads strict JSON refuses.
 """
 
 from __future__ import annotations
@@ -114,9 +114,12 @@ class ResponseStream:
     def body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         out, usage = self._rewrite(msg)
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
-        if usage is not None and usage.seen and self.plan.strip_usage:
-            # Published with the chunk that carried it, not at the end: a client
-            # that has read [DONE] may close before the stream's last message.
+        if usage is not None and usage.seen:
+            # Envoy's usage filters miss what this stream strips and what strict
+            # JSON refuses (NaN logprobs); they overwrite it with the same figures
+            # where they do read it. Published with the chunk that carried it, not
+            # at the end: a client that has read [DONE] may close before the
+            # stream's last message.
             now = (usage.prompt_tokens, usage.completion_tokens)
             if now != self.published:
                 self.published = now

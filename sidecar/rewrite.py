@@ -30,8 +30,10 @@ Token counts that are not non-negative integers are read as ``0``.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -117,6 +119,24 @@ def _check_family(family: str) -> None:
         raise ValueError(f"unknown API family {family!r}; expected one of {_FAMILIES}")
 
 
+def loads(data: bytes) -> Any:
+    """Parse a JSON payload as an engine may emit it, or None.
+
+    Engines do emit what strict JSON forbids: ``NaN`` and ``Infinity`` in
+    logprobs, lone surrogate escapes in generated text. Such a payload still
+    carries a model name and usage, so it is read by the standard library's
+    lenient parser when orjson refuses it (the edits are byte splices either way).
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
 def rewrite_json_body(body: bytes, model: str | None, family: str) -> tuple[bytes, Usage]:
     """Rewrite the top-level ``model`` of a complete JSON response and read its usage.
 
@@ -138,10 +158,7 @@ def rewrite_json_body(body: bytes, model: str | None, family: str) -> tuple[byte
     usage = Usage()
     if len(body) > MAX_JSON_REWRITE:
         return body, usage
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body, usage
+    obj = loads(body)
     if type(obj) is not dict:
         return body, usage
     u = obj.get("usage")
@@ -440,10 +457,7 @@ class SSERewriter:
                 return content
         elif data.find(b'"message_start"') < 0 and data.find(b'"message_delta"') < 0:
             return content
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return content
+        obj = loads(data)
         if type(obj) is not dict:
             return content
         try:

@@ -90,6 +90,19 @@ ANTHROPIC_SSE = (
     b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 )
 
+# What strict JSON forbids and engines emit: NaN / Infinity logprobs, a lone
+# surrogate escape in generated text.
+LENIENT_JSON = (
+    b'{"id": "c3", "model": "up-model", "choices": [{"index": 0, "message": {"content": "\\ud800!"},'
+    b' "logprobs": {"content": [{"token": "x", "logprob": NaN}]}}], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+)
+LENIENT_SSE = (
+    b'data: {"id":"c4","model":"up-model","choices":[{"index":0,"delta":{"content":"\\udfff"},'
+    b'"logprobs":{"content":[{"token":"y","logprob":-Infinity}]}}]}\n\n'
+    b'data: {"id":"c4","model":"up-model","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
 SSE = "text/event-stream"
 JSON = "application/json"
 # name: (content type, body, declare a content-length)
@@ -99,6 +112,8 @@ SCRIPTS = {
     "chat-sse": (SSE, CHAT_SSE, False),
     "injected-sse": (SSE, INJECTED_SSE, False),
     "injected-sse-linger": (SSE, INJECTED_SSE, False),
+    "lenient-json": (JSON, LENIENT_JSON, True),
+    "lenient-sse": (SSE, LENIENT_SSE, False),
     "responses-sse": (SSE, RESPONSES_SSE, False),
     "anthropic-sse": (SSE, ANTHROPIC_SSE, False),
 }
@@ -251,3 +266,17 @@ def test_injected_usage_is_counted_when_the_client_leaves_after_done(stack, http
     after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1, timeout=5,
                             experiment="bytes", kind=k) for k in ("prompt", "completion")}
     assert (after["prompt"] - before["prompt"], after["completion"] - before["completion"]) == (3, 2)
+
+
+def test_payloads_strict_json_refuses_are_rewritten_and_counted(stack, http):
+    """NaN, -Infinity and lone surrogates: the hidden model name still never
+    reaches the client, and the usage still counts."""
+    before = metric(stack, "model_experiment_tokens_total", experiment="bytes", kind="prompt")
+    r = post(http, "/v1/chat/completions", "lenient-json", {"model": "chat", "messages": []})
+    assert r.content == LENIENT_JSON.replace(UPSTREAM, CLIENT)
+    body = {"model": "chat", "stream": True, "messages": [], "stream_options": {"include_usage": True}}
+    r = post(http, "/v1/chat/completions", "lenient-sse", body)
+    assert r.content == LENIENT_SSE.replace(UPSTREAM, CLIENT)
+    assert UPSTREAM not in r.content
+    assert wait_metric(stack, "model_experiment_tokens_total", before + 6, timeout=5, experiment="bytes",
+                       kind="prompt") == before + 6
