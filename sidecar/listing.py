@@ -16,6 +16,7 @@ from . import errors
 from .config import ApiKey
 from .errors import Reply
 from .ingress import family_for
+from .routing.suffixes import SUFFIXES, split, supported
 from .snapshot import Snapshot
 
 CREATED = 0  # listings carry no creation time; a fixed value keeps them stable
@@ -120,10 +121,25 @@ def answer(snap: Snapshot, p: str, method: str, key: ApiKey | None) -> Reply:
         })
     prefix = "/anthropic/v1/models/" if family == "anthropic" else "/v1/models/"
     wanted = unquote(p[len(prefix):])
-    for e in entries:
-        if e.id == wanted:
-            return _ok(_anthropic(e) if family == "anthropic" else _openai(e))
-    return errors.model_not_found(wanted, family)
+    entry = _entry(snap, entries, wanted)
+    if entry is None:
+        return errors.model_not_found(wanted, family)
+    return _ok(_anthropic(entry) if family == "anthropic" else _openai(entry))
+
+
+def _entry(snap: Snapshot, entries: list[Entry], wanted: str) -> Entry | None:
+    """The listed model ``wanted`` names; a variant (``base:nitro``) that chat
+    completions would serve answers as its base's entry under the name asked for."""
+    by_id = {e.id: e for e in entries}
+    if wanted in by_id:
+        return by_id[wanted]
+    if not snap.config.proxy.variant_suffixes.enabled:
+        return None
+    base, word = split(snap, wanted)
+    entry = by_id.get(base)
+    if word is None or entry is None or not supported(snap, snap.resolve(base)[0], SUFFIXES[word]):
+        return None
+    return replace(entry, id=wanted)
 
 
 def admin_view(snap: Snapshot) -> dict:

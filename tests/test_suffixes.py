@@ -190,6 +190,23 @@ def test_exact_first_and_never_split(stack):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("name, served", [
+    ("base:nitro", True), ("base:floor", True), ("think-model:thinking", True), ("lit:nitro", True),
+    ("base:thinking", False),  # no reasoning support declared
+    ("base:online", False),  # no search provider
+    ("base:bogus", False), ("nope:nitro", False),
+])
+def test_a_model_lookup_answers_as_chat_completions_would(stack, name, served):
+    """GET /v1/models/{name} agrees with what chat completions serves."""
+    r = httpx.get(f"{stack.url}/v1/models/{name}", headers={"authorization": "Bearer k"})
+    if served:
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == name and r.json()["object"] == "model"
+        assert stack.oa.chat.completions.create(model=name, messages=[]).model == name
+    else:
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_x_backend_wins_and_reports_not_applied(stack):
     r = stack.oa.chat.completions.with_raw_response.create(model="base:floor", messages=[],
                                                            extra_headers={"x-backend": "e1"})

@@ -18,7 +18,7 @@ from ..snapshot import BackendInfo, Snapshot
 from . import selection
 from .context import Parsed, Request, parse, sticky_value
 from .route import Fallback, ResponsePlan, Route, upstream_auth
-from .suffixes import SUFFIXES, Suffix, split
+from .suffixes import SUFFIXES, Suffix, split, supported
 
 Edits = dict[str, Any]  # top-level body fields to set
 
@@ -169,16 +169,14 @@ def _suffix_checks(
     word: str, family: str,
 ) -> tuple[list[BackendInfo], Edits] | Reply:
     """Refusals a suffix can cause before anything is chosen, and its edits."""
+    if not supported(snap, model, suffix):
+        return _unsupported(requested, word, family)
     if suffix.thinking:
-        meta = snap.meta(model)
-        if meta is None or not meta.supports_thinking:
-            return _unsupported(requested, word, family)
         return candidates, ({} if "reasoning_effort" in data else {"reasoning_effort": "high"})
     if suffix.online:
         # The router runs the search loop itself: buffered only, and only on
         # backends it may add a tool to.
-        ws = snap.config.web_search
-        if ws is None or not ws.enabled or data.get("stream") is True:
+        if data.get("stream") is True:
             return _unsupported(requested, word, family)
         candidates = [b for b in candidates if not b.config.commercial and b.family == "openai"]
         if not candidates:

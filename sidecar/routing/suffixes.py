@@ -27,6 +27,19 @@ SUFFIXES: dict[str, Suffix] = {
 }
 
 
+def supported(snap: Snapshot, model: str, suffix: Suffix) -> bool:
+    """What the config says of a suffix on ``model``: ``:thinking`` needs a model
+    declaring reasoning support, ``:online`` an enabled search provider. (The
+    request can still rule a suffix out: ``:online`` does not stream.)"""
+    if suffix.thinking:
+        meta = snap.meta(model)
+        return meta is not None and meta.supports_thinking
+    if suffix.online:
+        ws = snap.config.web_search
+        return ws is not None and ws.enabled
+    return True
+
+
 def known(snap: Snapshot, name: str) -> bool:
     """Whether the router resolves ``name`` as it is (served, declared or an experiment)."""
     return (
