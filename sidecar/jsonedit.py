@@ -183,7 +183,8 @@ def object_edits(
             if i < 0 or data.find(USAGE_KEY, i + 7) >= 0:
                 edits = None
             else:
-                cut = _cut_lone_member(data, i, data.find(b"null", i + 7) + 4)
+                start = _skip_ws(data, _skip_ws(data, i + 7) + 1)  # past the colon
+                cut = _cut_lone_member(data, i, value_end(data, start))
                 if edits and cut[0] < edits[0][0]:
                     edits.insert(0, cut)
                 else:

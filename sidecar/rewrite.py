@@ -208,7 +208,9 @@ class SSERewriter:
     ``strip_injected_usage`` (``"openai"`` only) is for streams in which the
     proxy itself requested ``stream_options.include_usage``: usage is still
     read, but the final ``"choices": []`` chunk that carries it is dropped
-    (the whole event) and ``"usage": null`` is removed from the other chunks.
+    (the whole event) and a ``usage`` member (``null``, or the counts engines
+    such as vLLM with ``continuous_usage_stats`` put on every chunk) is removed
+    from the other chunks.
 
     ``usage`` holds the token usage seen so far: OpenAI takes the last
     non-null ``usage`` object of a chunk (or ``response.usage`` of a
@@ -519,8 +521,10 @@ class SSERewriter:
             u = obj["usage"]
             if type(u) is dict:
                 _read_openai_usage(u, self.usage)
-                if self.strip_injected_usage and obj.get("choices") == []:
-                    return None
+                if self.strip_injected_usage:
+                    if obj.get("choices") == []:
+                        return None  # the usage chunk the router asked for
+                    cut_usage = True  # usage on a content or finish chunk (vLLM continuous_usage_stats)
             elif u is None and self.strip_injected_usage:
                 cut_usage = True
         model = self.model

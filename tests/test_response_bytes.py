@@ -103,6 +103,21 @@ LENIENT_SSE = (
     b"data: [DONE]\n\n"
 )
 
+# An engine that reports usage on every chunk (vLLM continuous_usage_stats)
+# and on the finish chunk, never in a chunk of its own.
+CONTINUOUS_SSE = (
+    b'data: {"id":"c5","model":"up-model","choices":[{"index":0,"delta":{"content":"a"}}],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+    b'data: {"id":"c5","model":"up-model","usage": {"prompt_tokens":3,"completion_tokens":2},'
+    b' "choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+CONTINUOUS_EXPECTED = (
+    b'data: {"id":"c5","model":"chat","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    b'data: {"id":"c5","model":"chat","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
 SSE = "text/event-stream"
 JSON = "application/json"
 # name: (content type, body, declare a content-length)
@@ -114,6 +129,7 @@ SCRIPTS = {
     "injected-sse-linger": (SSE, INJECTED_SSE, False),
     "lenient-json": (JSON, LENIENT_JSON, True),
     "lenient-sse": (SSE, LENIENT_SSE, False),
+    "continuous-sse": (SSE, CONTINUOUS_SSE, False),
     "responses-sse": (SSE, RESPONSES_SSE, False),
     "anthropic-sse": (SSE, ANTHROPIC_SSE, False),
 }
@@ -280,3 +296,13 @@ def test_payloads_strict_json_refuses_are_rewritten_and_counted(stack, http):
     assert UPSTREAM not in r.content
     assert wait_metric(stack, "model_experiment_tokens_total", before + 6, timeout=5, experiment="bytes",
                        kind="prompt") == before + 6
+
+
+def test_usage_the_router_asked_for_is_stripped_whatever_chunk_carries_it(stack, http):
+    before = {k: metric(stack, "model_experiment_tokens_total", experiment="bytes", kind=k)
+              for k in ("prompt", "completion")}
+    r = post(http, "/v1/chat/completions", "continuous-sse", {"model": "chat", "stream": True, "messages": []})
+    assert r.content == CONTINUOUS_EXPECTED
+    after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1, timeout=5,
+                            experiment="bytes", kind=k) for k in ("prompt", "completion")}
+    assert (after["prompt"] - before["prompt"], after["completion"] - before["completion"]) == (3, 2)
