@@ -101,13 +101,24 @@ def _status(op: str, code: int) -> dict:
 
 
 _ANTHROPIC_ERROR = {"type": "error", "error": {"type": "api_error", "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"}}
-_OPENAI_ERROR = {"error": {
-    "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "type": "server_error", "param": None,
-    "code": "%RESPONSE_CODE%",
-}}
-# The OpenAI and Anthropic SDKs retry a 504 unless told not to: a timeout the
-# router produced would only run the same long request again upstream.
+
+
+def _openai_error(code: str) -> dict:
+    return {"error": {
+        "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "type": "server_error", "param": None, "code": code,
+    }}
+
+
+# Envoy's own replies by status: the OpenAI error code, and headers. The OpenAI
+# and Anthropic SDKs retry a 504 unless told not to: a timeout the router
+# produced would only run the same long request again upstream.
 _NO_RETRY = [{"header": {"key": "x-should-retry", "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+_ENVOY_REPLIES = (
+    (_status("EQ", 504), "upstream_timeout", _NO_RETRY),
+    (_status("EQ", 503), "upstream_unavailable", []),
+    (_status("EQ", 413), "request_too_large", []),
+    (_status("GE", 400), "proxy_error", []),
+)
 
 
 def _local_reply_config() -> dict:
@@ -130,11 +141,11 @@ def _local_reply_config() -> dict:
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
     mappers: list[dict] = [{"filter": ours}]
-    for status, extra in ((_status("EQ", 504), {"headers_to_add": _NO_RETRY}), (_status("GE", 400), {})):
-        for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _OPENAI_ERROR)):
-            match = {"and_filter": {"filters": [status, family]}} if family else status
+    for status, code, headers in _ENVOY_REPLIES:
+        for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _openai_error(code))):
             mappers.append({
-                "filter": match, **extra,
+                "filter": {"and_filter": {"filters": [status, family]}} if family else status,
+                **({"headers_to_add": headers} if headers else {}),
                 "body_format_override": {"json_format": body, "content_type": "application/json"},
             })
     return {"mappers": mappers}

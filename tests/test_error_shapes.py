@@ -39,6 +39,7 @@ def test_an_unreachable_backend_answers_openai_callers_in_openai_shape(stack):
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "gpt-gone", "messages": []})
     assert r.status_code == 503
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["code"] == "upstream_unavailable"
 
 
 # --------------------------------------------------------------------------- timeouts
@@ -74,4 +75,5 @@ def test_a_silent_upstream_gets_a_504_the_sdk_does_not_retry(slow):
     assert exc.value.status_code == 504
     assert exc.value.response.headers["x-should-retry"] == "false"
     assert set(exc.value.response.json()["error"]) == {"message", "type", "param", "code"}
+    assert exc.value.response.json()["error"]["code"] == "upstream_timeout"
     assert len(demo_requests(slow, "slow")) == 1  # one upstream attempt, not three

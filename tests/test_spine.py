@@ -144,6 +144,7 @@ def test_chunked_body_over_limit_gets_413(stack):
 
     r = httpx.post(stack.url + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"  # Envoy's reply, the sidecar's code
 
 
 def test_client_routing_header_never_steers(stack):
