@@ -103,9 +103,9 @@ def _status(op: str, code: int) -> dict:
 _ANTHROPIC_ERROR = {"type": "error", "error": {"type": "api_error", "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"}}
 
 
-def _openai_error(code: str) -> dict:
+def _openai_error(code: str, kind: str) -> dict:
     return {"error": {
-        "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "type": "server_error", "param": None, "code": code,
+        "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "type": kind, "param": None, "code": code,
     }}
 
 
@@ -114,10 +114,10 @@ def _openai_error(code: str) -> dict:
 # produced would only run the same long request again upstream.
 _NO_RETRY = [{"header": {"key": "x-should-retry", "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
 _ENVOY_REPLIES = (
-    (_status("EQ", 504), "upstream_timeout", _NO_RETRY),
-    (_status("EQ", 503), "upstream_unavailable", []),
-    (_status("EQ", 413), "request_too_large", []),
-    (_status("GE", 400), "proxy_error", []),
+    (_status("EQ", 504), "upstream_timeout", "server_error", _NO_RETRY),
+    (_status("EQ", 503), "upstream_unavailable", "server_error", []),
+    (_status("EQ", 413), "request_too_large", "invalid_request_error", []),
+    (_status("GE", 400), "proxy_error", "server_error", []),
 )
 
 
@@ -141,8 +141,8 @@ def _local_reply_config() -> dict:
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
     mappers: list[dict] = [{"filter": ours}]
-    for status, code, headers in _ENVOY_REPLIES:
-        for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _openai_error(code))):
+    for status, code, kind, headers in _ENVOY_REPLIES:
+        for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _openai_error(code, kind))):
             mappers.append({
                 "filter": {"and_filter": {"filters": [status, family]}} if family else status,
                 **({"headers_to_add": headers} if headers else {}),
