@@ -45,7 +45,7 @@ def test_an_unreachable_backend_answers_openai_callers_in_openai_shape(stack):
 # --------------------------------------------------------------------------- timeouts
 
 TIMEOUTS = """
-envoy: {idle_timeout_s: 1, upstream_timeout_s: 0}
+envoy: {idle_timeout_s: 2, upstream_timeout_s: 0}
 monitor: {passive_holdout_s: 0}
 backends:
   - {name: slow, url: "demo://", models: [slow-model]}
@@ -58,18 +58,19 @@ def slow(stack_factory):
 
 
 def test_a_stream_outlives_the_idle_timeout_while_it_keeps_producing(slow):
-    """25 events 100 ms apart, paced by the engine: 2.5 s in all, never 1 s silent."""
+    """40 events 100 ms apart, paced by the engine: 4 s in all, never 2 s silent
+    (a wide margin, so a busy machine's scheduling cannot fake a silence)."""
     client = openai.OpenAI(base_url=slow.url + "/v1", api_key="any",
-                           default_headers={"x-demo-events": "25", "x-demo-interval-ms": "100"})
+                           default_headers={"x-demo-events": "40", "x-demo-interval-ms": "100"})
     chunks = list(client.chat.completions.create(model="slow-model", messages=[], stream=True))
     assert chunks[-1].choices[0].finish_reason == "stop"
-    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks if c.choices) == 25
+    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks if c.choices) == 40
 
 
 def test_a_silent_upstream_gets_a_504_the_sdk_does_not_retry(slow):
     clear_demo_requests(slow)
     client = openai.OpenAI(base_url=slow.url + "/v1", api_key="any", max_retries=2,
-                           default_headers={"x-demo-delay-ms": "2500"})
+                           default_headers={"x-demo-delay-ms": "4500"})
     with pytest.raises(openai.APIStatusError) as exc:
         client.chat.completions.create(model="slow-model", messages=[])
     assert exc.value.status_code == 504
