@@ -34,7 +34,7 @@ from .body import named_models
 from .errors import Reply
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
-from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, rewrite_of, usage_metadata
+from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
 from .rewrite import rewrite_json_body
 from .snapshot import BACKEND_HEADER
 
@@ -92,13 +92,6 @@ def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct |
     if usage is not None:
         resp.dynamic_metadata.MergeFrom(usage)
     return resp
-
-
-def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for h in msg.headers.headers:
-        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
 
 
 class _Stream:
@@ -182,7 +175,7 @@ class Processor(pbg.ExternalProcessorServicer):
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.
         st.snap = snap = self.runtime.snapshot
-        st.headers = h = _headers(msg)
+        st.headers = h = header_map(msg)
         st.header_count = len(msg.headers.headers)
         st.header_bytes = sum(len(x.key) + len(x.raw_value or x.value) for x in msg.headers.headers)
         st.raw_path = h.get(":path", "/")

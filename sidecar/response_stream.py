@@ -69,7 +69,8 @@ def usage_metadata(usage: Usage) -> struct_pb2.Struct:
     return md
 
 
-def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
+def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
+    """An ext_proc headers message as a dict (Envoy sends values in ``raw_value``)."""
     return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in msg.headers.headers}
 
 
@@ -87,7 +88,7 @@ class ResponseStream:
 
     def headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-        h = _headers(msg)
+        h = header_map(msg)
         status = h.get(":status", "0")
         encoding = h.get("content-encoding", "identity").lower()
         if not status.startswith("2") or encoding != "identity" or msg.end_of_stream:
