@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from sidecar.stack import Stack  # noqa: E402
 
 CONFIG = """
-server: {max_body_bytes: 1048576}
+server: {max_body_bytes: 1048576, admin_token: soak-admin}
 backends:
   - {name: pool-a, url: "demo://", models: [model-a]}
   - {name: pool-b, url: "demo://", models: [model-b]}
@@ -71,9 +71,10 @@ def rss_kb(pid: int) -> int:
 class Load:
     """Client threads with shared counters; each request is checked, not just sent."""
 
-    def __init__(self, url: str, threads: int, keys: int = 0) -> None:
+    def __init__(self, url: str, threads: int, keys: int = 0, rate: float = 0.0) -> None:
         self.url = url
         self.keys = keys
+        self.interval = threads / rate if rate > 0 else 0.0  # per thread; 0: as fast as answers come
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
@@ -106,7 +107,11 @@ class Load:
         else:
             keys = (f"soak-caller-{seed}-{n}" for n in itertools.count())  # never repeats: worst case for caches
         with httpx.Client(base_url=self.url, timeout=30) as http:
+            due = time.monotonic()
             while not self.stop.is_set():
+                if self.interval:
+                    due += self.interval
+                    self.stop.wait(max(0.0, due - time.monotonic()))
                 kind = next(kinds)
                 try:
                     error = getattr(self, "_" + kind.replace("-", "_"))(http, next(keys))
@@ -163,25 +168,53 @@ class Load:
 
 
 def verdict(samples: list[tuple[float, int, int]], warmup_s: float) -> tuple[bool, str]:
-    """(flat, explanation) from (t, requests, rss_kb) samples taken after the warm-up."""
+    """(flat, explanation) from (t, requests, rss_kb) samples; those before the warm-up are left out.
+
+    Flat: the mean RSS of the last five samples is under 5 MB above the mean of
+    the first five after the warm-up. The least-squares slope of RSS per request
+    served is printed with it."""
     after = [(n, rss) for t, n, rss in samples if t >= warmup_s]
     steady = [rss for _, rss in after]
-    if len(steady) < 3:
+    if len(steady) < 10:
         return False, f"too few samples after warm-up ({len(steady)}); run longer"
-    # Least-squares slope of RSS against requests served, for the record.
     mean_n = sum(n for n, _ in after) / len(after)
     mean_r = sum(steady) / len(steady)
     var = sum((n - mean_n) ** 2 for n, _ in after)
     slope = sum((n - mean_n) * (r - mean_r) for n, r in after) / var * 1024 if var else 0.0
-    third = len(steady) // 3
-    first = sum(steady[:third]) / third
-    last = sum(steady[-third:]) / third
+    first = sum(steady[:5]) / 5
+    last = sum(steady[-5:]) / 5
     growth = last - first
-    allowed = max(0.10 * first, 5 * 1024)
-    flat = growth <= allowed
-    return flat, (f"first third {first / 1024:.1f} MB, last third {last / 1024:.1f} MB, growth {growth / 1024:+.1f} MB "
-                  f"({100 * growth / first:+.1f} %), allowed {allowed / 1024:.1f} MB; "
-                  f"slope {slope:+.0f} bytes of RSS per request")
+    flat = growth < 5 * 1024
+    return flat, (f"after warm-up {first / 1024:.1f} MB, at the end {last / 1024:.1f} MB, growth {growth / 1024:+.1f} MB "
+                  f"(allowed < 5 MB); slope {slope:+.1f} bytes of RSS per request")
+
+
+def memory(admin: str) -> dict:
+    try:
+        return httpx.get(f"http://{admin}/admin/memory", headers={"authorization": "Bearer soak-admin"},
+                         timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def calibrate(url: str, threads: int, keys: int, seconds: float) -> float:
+    """Requests/s the stack answers with closed-loop clients (its saturation here)."""
+    load = Load(url, threads, keys)
+    load.start()
+    time.sleep(seconds)
+    load.join()
+    return load.total() / seconds
+
+
+HEADER = (f"{'t (s)':>7} {'requests':>9} {'req/s':>7} {'errors':>7} {'RSS (MB)':>9} "
+          f"{'py blocks':>10} {'gc objects':>10} {'traced (MB)':>11}")
+
+
+def row(t: float, total: int, rate: float | None, errors: int, rss: int, mem: dict) -> str:
+    traced = mem.get("tracemalloc", {}).get("current_bytes")
+    return (f"{t:>7.0f} {total:>9} {'-' if rate is None else f'{rate:.1f}':>7} {errors:>7} {rss / 1024:>9.1f} "
+            f"{mem.get('allocated_blocks', '-'):>10} {mem.get('gc_objects', '-'):>10} "
+            f"{'-' if traced is None else f'{traced / 2**20:.1f}':>11}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,9 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="client threads (default 4)")
     ap.add_argument("--keys", type=int, default=0,
                     help="size of the caller-key pool; 0 (default): every request a new key")
-    ap.add_argument("--interval", type=float, default=10, help="seconds between RSS samples (default 10)")
-    ap.add_argument("--warmup", type=float, default=30, help="seconds of samples left out of the verdict (default 30)")
+    ap.add_argument("--rate", default="0",
+                    help="offered requests/s: a number, 'half' (half the saturation measured first), "
+                         "or 0 (default: as fast as answers come)")
+    ap.add_argument("--interval", type=float, default=10, help="seconds between samples (default 10)")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds of samples left out of the verdict (default: a quarter of the run)")
+    ap.add_argument("--tracemalloc", action="store_true",
+                    help="run the sidecar under tracemalloc (slower) and print where its heap grew")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the sidecar's environment (repeatable), e.g. MALLOC_ARENA_MAX=2")
     args = ap.parse_args(argv)
+    warmup = args.seconds / 4 if args.warmup is None else args.warmup
 
     stopping = threading.Event()
 
@@ -206,19 +248,31 @@ def main(argv: list[str] | None = None) -> int:
         config = Path(tmp) / "config.yaml"
         config.write_text(textwrap.dedent(CONFIG).lstrip())
         stack = Stack(config, workdir=Path(tmp))
+        stack.sidecar_env = dict(item.split("=", 1) for item in args.env)
+        if args.tracemalloc:
+            stack.sidecar_env["PYTHONTRACEMALLOC"] = "1"
         load = None
         samples: list[tuple[float, int, int]] = []
         try:
             stack.start()
             pid = stack._procs["sidecar-0"].popen.pid
+            admin = stack.sidecar_admin[0]
+            rate = 0.0
+            if args.rate == "half":
+                saturation = calibrate(stack.url, args.threads, args.keys, 20)
+                rate = saturation / 2
+                print(f"soak: saturation {saturation:.0f} req/s over 20 s; offering half: {rate:.0f} req/s", flush=True)
+            else:
+                rate = float(args.rate)
             print(f"soak: {args.seconds:.0f} s, {args.threads} client threads, "
+                  f"{f'{rate:.0f} req/s offered' if rate else 'closed loop'}, "
                   f"{args.keys or 'unique'} caller keys, sidecar pid {pid}, "
-                  f"sampling VmRSS every {args.interval:.0f} s", flush=True)
-            print(f"{'t (s)':>7} {'requests':>9} {'req/s':>7} {'errors':>7} {'sidecar RSS (MB)':>17}", flush=True)
-            load = Load(stack.url, args.threads, args.keys)
+                  f"sampling every {args.interval:.0f} s, verdict after {warmup:.0f} s", flush=True)
+            print(HEADER, flush=True)
+            load = Load(stack.url, args.threads, args.keys, rate)
             start = time.monotonic()
             samples.append((0.0, 0, rss_kb(pid)))
-            print(f"{0:>7.0f} {0:>9} {'-':>7} {0:>7} {samples[-1][2] / 1024:>17.1f}", flush=True)
+            print(row(0, 0, None, 0, samples[-1][2], memory(admin)), flush=True)
             load.start()
             next_sample = start + args.interval
             end = start + args.seconds
@@ -232,25 +286,26 @@ def main(argv: list[str] | None = None) -> int:
                     t = now - start
                     prev_t, prev_n, _ = samples[-1]
                     samples.append((t, total, rss_kb(pid)))
-                    rate = (total - prev_n) / (t - prev_t) if t > prev_t else 0.0
-                    print(f"{t:>7.0f} {total:>9} {rate:>7.1f} {sum(load.errors.values()):>7} "
-                          f"{samples[-1][2] / 1024:>17.1f}", flush=True)
+                    per_s = (total - prev_n) / (t - prev_t) if t > prev_t else 0.0
+                    print(row(t, total, per_s, sum(load.errors.values()), samples[-1][2], memory(admin)), flush=True)
                     next_sample += args.interval
                 if now >= end:
                     break
                 time.sleep(min(0.2, max(0.0, min(next_sample, end) - now)))
+            if args.tracemalloc:
+                for entry in memory(admin).get("tracemalloc", {}).get("top", []):
+                    print(f"  {entry['bytes'] / 1024:>10.1f} KiB {entry['count']:>8} blocks  {entry['where']}")
         finally:
             if load is not None:
                 load.join()
             stack.stop()
-        flat, why = verdict(samples, args.warmup)
+        flat, why = verdict(samples, warmup)
         errors = sum(load.errors.values()) if load else 0
         print(f"requests: {dict(load.counts) if load else {}}; errors: {errors}")
         for err, n in (load.errors.most_common(5) if load else []):
             print(f"  {n} x {err}")
         print(f"verdict: {'FLAT' if flat else 'GROWING'}: {why}")
         return 0 if flat and errors == 0 and not stopping.is_set() else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

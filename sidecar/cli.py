@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
 from importlib import resources
@@ -44,6 +46,8 @@ def load_config(path: str):
 
 
 def cmd_serve(args) -> int:
+    from . import workers as workers_mod
+    from .envoyconf import standby_addresses
     from .server import serve, worker_addresses
 
     loaded = load_config(args.config)
@@ -54,31 +58,26 @@ def cmd_serve(args) -> int:
     grpc_addrs, admin_addrs = worker_addresses(
         args.grpc_listen or cfg.server.grpc_listen, args.admin_listen or cfg.server.admin_listen, workers
     )
-    if workers == 1:
+    overrides = _pairs(args.backend_url, "--backend-url")
+    if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
-              url_overrides=_pairs(args.backend_url, "--backend-url"), usage_records=args.usage_records)
+              url_overrides=overrides, usage_records=args.usage_records)
         return 0
-    # One process per worker, each its own ext_proc endpoint (see envoy-config).
-    import subprocess
-
+    # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
     if args.usage_records:
         extra += ["--usage-records", args.usage_records]
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
-                          "--grpc-listen", g, "--admin-listen", a, *extra])
-        for g, a in zip(grpc_addrs, admin_addrs)
-    ]
 
-    def forward(signum, frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+    standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [p.wait() for p in procs]
-    return max(codes)
+    def worker_argv(i: int, on_standby: bool) -> list[str]:
+        grpc_listen = standby[i] if on_standby else grpc_addrs[i]
+        return [sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
+                "--grpc-listen", grpc_listen, "--admin-listen", admin_addrs[i], *extra]
+
+    logging.basicConfig(level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return workers_mod.serve_workers(worker_argv, grpc_addrs + standby + admin_addrs, workers)
 
 
 def cmd_validate(args) -> int:

@@ -108,6 +108,18 @@ class Server(_Model):
     # Envoy's wait for one sidecar answer; past it the request fails closed.
     message_timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 5000
     reload_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+    # ext_proc streams one worker holds open at once; past it a request is
+    # refused at once with 503 and retry-after rather than queued.
+    max_in_flight: Annotated[int, Field(ge=1, le=100_000)] = 256
+    # Recycle a worker after about this many requests (each worker draws its
+    # bound within 10 % of it, so they do not recycle together); 0: never.
+    max_requests_per_worker: Annotated[int, Field(ge=0)] = 0
+    # On SIGTERM, how long a worker lets its in-flight streams finish.
+    drain_timeout_s: Annotated[int, Field(ge=0, le=3600)] = 30
+    # closed: a request fails (503) when the sidecar cannot be reached; open:
+    # it goes on with the client's model untouched (refused when a key gate or
+    # a hidden experiment exists, since those would then be skipped).
+    failure_mode: Literal["closed", "open"] = "closed"
 
     @field_validator("grpc_listen", "admin_listen")
     @classmethod
@@ -119,6 +131,8 @@ class Envoy(_Model):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "127.0.0.1:9901"
     concurrency: Annotated[int, Field(ge=1, le=64)] = 2
+    # Downstream connections Envoy holds at once; past it new ones are refused.
+    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
     # The longest silence between bytes of a request or its answer (covers the
     # wait for a buffered answer's first byte); a live stream is never cut by it.
     idle_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 300
@@ -505,6 +519,15 @@ def check(config: Config) -> tuple[list[str], list[str]]:
         if b.name in backends:
             errors.append(f"backends[{i}].name: duplicate backend name '{b.name}'")
         backends[b.name] = b
+
+    if config.server.failure_mode == "open":
+        guarded = (["api_keys (key gates would be skipped)"] if config.api_keys is not None else []) + [
+            f"model_experiments '{e.name}' hides its variant models (they would be reachable by name)"
+            for e in config.model_experiments if e.hide_variant_models
+        ]
+        if guarded:
+            errors.append("server.failure_mode: 'open' lets requests past the router when it cannot be reached, "
+                          "which this config forbids: " + "; ".join(guarded))
 
     passthrough = config.proxy.passthrough_backend
     if passthrough is not None:

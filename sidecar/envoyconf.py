@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .config import RESERVED_BACKEND_NAME, Config
+from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import ATTRIBUTION_HEADERS, BACKEND_HEADER, ROUTER_HEADER_PREFIXES, _split
 
@@ -92,6 +92,10 @@ def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
 # The sidecar's immediate responses carry the dynamic metadata below and are
 # already JSON: the first mapper matches them and leaves them untouched.
 REPLY_NAMESPACE = "model_router"
+# How often Envoy asks each sidecar endpoint whether it serves; a draining
+# worker waits a little longer than this before it stops taking streams.
+HEALTH_INTERVAL_S = 1
+HEALTH_FAILURES = 2  # answers missed or NOT_SERVING before Envoy stops sending streams
 
 
 def _status(op: str, code: int) -> dict:
@@ -113,9 +117,11 @@ def _openai_error(code: str, kind: str) -> dict:
 # and Anthropic SDKs retry a 504 unless told not to: a timeout the router
 # produced would only run the same long request again upstream.
 _NO_RETRY = [{"header": {"key": "x-should-retry", "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+# A 503 of Envoy's own (sidecar or upstream unreachable or full) passes soon.
+_RETRY_SOON = [{"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
 _ENVOY_REPLIES = (
     (_status("EQ", 504), "upstream_timeout", "server_error", _NO_RETRY),
-    (_status("EQ", 503), "upstream_unavailable", "server_error", []),
+    (_status("EQ", 503), "upstream_unavailable", "server_error", _RETRY_SOON),
     (_status("EQ", 413), "request_too_large", "invalid_request_error", []),
     (_status("GE", 400), "proxy_error", "server_error", []),
 )
@@ -173,10 +179,11 @@ def _attribution_headers() -> list[dict]:
     ]
 
 
-def _routes(timeout_s: int, idle_timeout_s: int) -> list[dict]:
+def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) -> list[dict]:
     """Two routes to the same cluster: the one the decision selects (with
     ``x-model-router-response``) runs the response processor among its
-    upstream filters; every other request skips it."""
+    upstream filters; every other request skips it. Failing open, a request
+    the sidecar never saw (no backend header) goes to ``fail_open_cluster``."""
     action = {
         "cluster_header": BACKEND_HEADER,
         # A reasoning model may stream for many minutes: the route bounds silence
@@ -187,7 +194,15 @@ def _routes(timeout_s: int, idle_timeout_s: int) -> list[dict]:
         "retry_policy": {"retry_on": "connect-failure,reset-before-request", "num_retries": 1},
     }
     disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
-    return [
+    unseen: list[dict] = []
+    if fail_open_cluster is not None:
+        unseen.append({
+            "name": "fail_open",
+            "match": {"prefix": "/", "headers": [{"name": BACKEND_HEADER, "present_match": False}]},
+            "route": {k: v for k, v in action.items() if k != "cluster_header"} | {"cluster": fail_open_cluster},
+            "typed_per_filter_config": {RESPONSE_FILTER: disabled},
+        })
+    return [*unseen,
         {
             "name": "rewrite",
             "match": {"prefix": "/", "headers": [{"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}]},
@@ -197,10 +212,13 @@ def _routes(timeout_s: int, idle_timeout_s: int) -> list[dict]:
     ]
 
 
-def _ext_proc(name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], **extra: Any) -> dict:
-    """An ext_proc filter on the sidecar cluster, failing closed. ``modes``:
-    request headers, request body, response headers, response body (trailers
-    are never sent)."""
+def _ext_proc(
+    name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool, **extra: Any
+) -> dict:
+    """An ext_proc filter on the sidecar cluster. ``modes``: request headers,
+    request body, response headers, response body (trailers are never sent).
+    When the sidecar cannot be reached the request fails (503) or, with
+    ``fail_open``, goes on untouched."""
     keys = ("request_header_mode", "request_body_mode", "response_header_mode", "response_body_mode")
     return {
         "name": name,
@@ -210,7 +228,7 @@ def _ext_proc(name: str, message_timeout_ms: int, buffer_limit: int, modes: tupl
                 "envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME, "max_receive_message_length": buffer_limit},
                 "timeout": "30s",
             },
-            "failure_mode_allow": False,
+            "failure_mode_allow": fail_open,
             "status_on_error": {"code": 503},
             "message_timeout": f"{message_timeout_ms / 1000:.3f}s",
             "allow_mode_override": True,
@@ -222,12 +240,12 @@ def _ext_proc(name: str, message_timeout_ms: int, buffer_limit: int, modes: tupl
     }
 
 
-def _response_ext_proc(message_timeout_ms: int, buffer_limit: int) -> dict:
+def _response_ext_proc(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> dict:
     """The response processor: an upstream filter, so the route chosen after
     the body decision decides whether it runs. Its own gRPC stream starts at
     the response headers and carries the decision in its metadata context."""
     return _ext_proc(
-        RESPONSE_FILTER, message_timeout_ms, buffer_limit, ("SKIP", "NONE", "SEND", "STREAMED"),
+        RESPONSE_FILTER, message_timeout_ms, buffer_limit, ("SKIP", "NONE", "SEND", "STREAMED"), fail_open,
         stat_prefix="response",
         metadata_options={
             "receiving_namespaces": {"untyped": [REPLY_NAMESPACE, USAGE_NAMESPACE]},
@@ -313,6 +331,54 @@ def _access_log(flush_interval_ms: int) -> dict:
     }
 
 
+def _fail_open_cluster(config: Config) -> str | None:
+    """Where a request goes when the sidecar cannot be reached and the config
+    fails open: the passthrough backend, else the first enabled backend."""
+    if config.server.failure_mode != "open":
+        return None
+    if config.proxy.passthrough_backend is not None:
+        return config.proxy.passthrough_backend
+    return next((b.name for b in config.backends if b.enabled), None)
+
+
+def _sidecar_guards(server: Server, endpoints: int) -> dict:
+    """The ext_proc cluster's protection. A gRPC health check per endpoint: a
+    worker that is draining, dead, or a recycling slot's idle port gets no new
+    streams (and no panic routing to them: with no healthy worker, Envoy
+    answers 503 at once). A worker whose connections fail twice in a row
+    is ejected until its health check passes again (at most half the workers;
+    a lone one too). A circuit breaker a little above what the workers admit
+    refuses a flood at once instead of queueing it on the workers' connections."""
+    streams = endpoints * server.max_in_flight * 2 + 64  # request and response streams, and the access log
+    return {
+        "health_checks": [{
+            "timeout": "1s", "interval": f"{HEALTH_INTERVAL_S}s", "no_traffic_interval": f"{HEALTH_INTERVAL_S}s",
+            "unhealthy_threshold": HEALTH_FAILURES, "healthy_threshold": 1,
+            "grpc_health_check": {},
+        }],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "outlier_detection": {
+            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 2,
+            "enforcing_consecutive_local_origin_failure": 100, "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0, "enforcing_success_rate": 0,
+            "interval": "1s", "base_ejection_time": "1s", "max_ejection_percent": 50,
+        },
+        "circuit_breakers": {"thresholds": [{
+            "max_connections": 1024, "max_pending_requests": streams, "max_requests": streams,
+        }]},
+    }
+
+
+def standby_addresses(addresses: Sequence[str]) -> list[str]:
+    """Where each recycling worker's replacement listens: its port plus the
+    number of workers (generations alternate between the two)."""
+    out = []
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        out.append(f"{host}:{int(port) + len(addresses)}")
+    return out
+
+
 def bootstrap(
     config: Config,
     *,
@@ -330,14 +396,17 @@ def bootstrap(
     urls = dict(backend_urls or {})
     server = config.server
     sidecars = list(sidecar_addresses or [server.grpc_listen])
+    endpoints = sidecars + (standby_addresses(sidecars) if server.max_requests_per_worker else [])
     buffer_limit = server.max_body_bytes + 1024 * 1024
     timeout_s = config.envoy.upstream_timeout_s
+    fail_open = server.failure_mode == "open"
 
     # Two messages per request: the decision needs the request only. The
     # sidecar turns the response headers off on every request it lets on
     # (see _MODE_BODY_NEXT in extproc.py).
     ext_proc = _ext_proc(
         "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit, ("SEND", "BUFFERED", "SEND", "NONE"),
+        fail_open,
         # The :online loop asks for more time (override_message_timeout), up to this.
         max_message_timeout="610s",
         metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
@@ -384,7 +453,7 @@ def bootstrap(
                 {
                     "name": "all",
                     "domains": ["*"],
-                    "routes": _routes(timeout_s, config.envoy.idle_timeout_s),
+                    "routes": _routes(timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config)),
                 }
             ],
         },
@@ -399,7 +468,7 @@ def bootstrap(
                 "typed_config": {
                     "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
                     "upstream_http_filters": [
-                        _response_ext_proc(server.message_timeout_ms, buffer_limit),
+                        _response_ext_proc(server.message_timeout_ms, buffer_limit, fail_open),
                         {
                             "name": "envoy.filters.http.upstream_codec",
                             "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
@@ -431,8 +500,9 @@ def bootstrap(
             },
             "load_assignment": {
                 "cluster_name": RESERVED_BACKEND_NAME,
-                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(a)}} for a in sidecars]}],
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(a)}} for a in endpoints]}],
             },
+            **_sidecar_guards(server, len(sidecars)),
         }
     ]
     if not all(_is_ip(a.rpartition(":")[0].strip("[]")) for a in sidecars):
@@ -445,6 +515,13 @@ def bootstrap(
 
     return {
         "admin": {"address": _addr(admin_listen or config.envoy.admin_listen)},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": config.envoy.max_connections,
+            },
+        }]},
         "static_resources": {
             "listeners": [
                 {

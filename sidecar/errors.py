@@ -15,7 +15,7 @@ Kind = Literal[
     "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
     "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
-    "gateway_timeout", "internal",
+    "gateway_timeout", "internal", "overloaded",
 ]
 
 # kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
@@ -38,7 +38,10 @@ _KINDS: dict[Kind, tuple[int, str, str, str]] = {
     "bad_gateway": (502, "server_error", "upstream_error", "api_error"),
     "gateway_timeout": (504, "server_error", "upstream_timeout", "api_error"),
     "internal": (500, "server_error", "internal_error", "api_error"),
+    "overloaded": (503, "server_error", "router_overloaded", "overloaded_error"),
 }
+# Kinds that pass by themselves soon: the reply says when to come back.
+_RETRY_AFTER: dict[Kind, str] = {"overloaded": "1", "no_backend": "1"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ def error(kind: Kind, message: str, family: str = "openai", param: str | None = 
         body = {"type": "error", "error": {"type": atype, "message": message}}
     else:
         body = {"error": {"message": message, "type": otype, "param": param, "code": code}}
-    return Reply(status, orjson.dumps(body))
+    retry = _RETRY_AFTER.get(kind)
+    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else ())
 
 
 def model_not_found(model: str, family: str, reserved_by: str | None = None) -> Reply:

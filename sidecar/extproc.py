@@ -131,14 +131,21 @@ class Processor(pbg.ExternalProcessorServicer):
         self.runtime = runtime
         self._counter = 0
         self._rand = random.Random(os.urandom(16))
+        self.in_flight = 0
 
     async def Process(self, request_iterator, context):
         st = _Stream()
         response: ResponseStream | None = None
+        self.in_flight += 1
+        metrics.IN_FLIGHT.set(self.in_flight)
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
+                    if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
+                        yield self._shed(st, req.request_headers)
+                        continue
+                    self.runtime.count_request()
                     yield self._request_headers(st, req.request_headers)
                 elif kind == "request_body":
                     resp = self._request_body(st, req.request_body)
@@ -169,8 +176,18 @@ class Processor(pbg.ExternalProcessorServicer):
             metrics.STREAM_ERRORS.inc()
             log.exception("ext_proc stream failed")
             raise
+        finally:
+            self.in_flight -= 1
+            metrics.IN_FLIGHT.set(self.in_flight)
 
     # ------------------------------------------------------------------ request
+
+    def _shed(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """Too many streams open here: refuse now, cheaply, rather than queue."""
+        metrics.SHED.inc()
+        path = header_map(msg).get(":path", "/")
+        reply = errors.error("overloaded", "The router is at capacity; retry shortly.", family_for(canonical(path)))
+        return immediate(reply, {"kind": "shed"})
 
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.

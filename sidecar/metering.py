@@ -15,6 +15,7 @@ can fail or slow a client request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+import grpc
 import orjson
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
@@ -209,12 +211,40 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
 
     def __init__(self, meter: Meter) -> None:
         self.meter = meter
+        self._closing = asyncio.Event()
+        self._linger = 0.0
+
+    def close(self, linger: float) -> None:
+        """End every stream once it has been quiet for ``linger`` seconds
+        (Envoy then opens a new one, to another worker, for its next entries)."""
+        self._linger = linger
+        self._closing.set()
 
     async def StreamAccessLogs(self, request_iterator, context):
-        async for message in request_iterator:
+        while True:
+            message = await self._next(context)
+            if message is None:
+                break
             try:
                 self.meter.record(entry_of(x) for x in message.http_logs.log_entry)
             except Exception:  # accounting never takes the stream down
                 metrics.STREAM_ERRORS.inc()
                 log.exception("access-log batch could not be accounted")
         return als_pb2.StreamAccessLogsResponse()
+
+    async def _next(self, context):
+        """The next batch, or None at the end of the stream or once closing and quiet."""
+        if not self._closing.is_set():
+            read = asyncio.ensure_future(context.read())
+            closing = asyncio.ensure_future(self._closing.wait())
+            done, _ = await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+            closing.cancel()
+            if read in done:
+                message = read.result()
+                return None if message is grpc.aio.EOF else message
+            read.cancel()
+        try:
+            message = await asyncio.wait_for(context.read(), self._linger)
+        except TimeoutError:
+            return None
+        return None if message is grpc.aio.EOF else message

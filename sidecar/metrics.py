@@ -82,6 +82,23 @@ STREAM_ERRORS = Counter(
     "ext_proc streams that ended with an error inside the sidecar.",
     registry=REGISTRY,
 )
+WORKER_RESTARTS = Gauge(
+    "model_router_worker_restarts",
+    "Times this worker's slot was started again before this process: after a crash, or recycled "
+    "(server.max_requests_per_worker).",
+    ["reason"],
+    registry=REGISTRY,
+)
+IN_FLIGHT = Gauge(
+    "model_router_in_flight_streams",
+    "ext_proc streams this worker holds open.",
+    registry=REGISTRY,
+)
+SHED = Counter(
+    "model_router_shed_total",
+    "Requests refused with 503 because the worker held server.max_in_flight streams.",
+    registry=REGISTRY,
+)
 
 
 FALLBACKS = Counter(

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import os
+import random
 import signal
+import sys
 import time
+import tracemalloc
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,10 +19,12 @@ import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import config as config_mod
-from . import listing, metrics, snapshot
+from . import listing, metrics, snapshot, workers
+from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
 from .metering import AccessLogService, JsonLinesSink, Meter
 
@@ -43,6 +49,10 @@ class Runtime:
         self._http = None
         self.usage_records = usage_records  # overrides metering.usage_records
         self._sink: JsonLinesSink | None = None
+        bound = loaded.config.server.max_requests_per_worker
+        # Each worker draws its own bound near the configured one, so they do not recycle together.
+        self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
+        self.requests = 0
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
@@ -78,6 +88,13 @@ class Runtime:
         """The monitor found new model lists: rebuild the snapshot around them."""
         self.snapshot = snapshot.build(self.snapshot.config, self.url_overrides, discovered)
         log.info("model lists discovered: %s", {k: len(v) for k, v in discovered.items()})
+
+    def count_request(self) -> None:
+        """One more request decided here; the supervisor hears once the bound is reached."""
+        self.requests += 1
+        if self.requests == self.recycle_after:
+            log.info("%d requests served: asking for a replacement", self.requests)
+            workers.notify("recycle")
 
     def backend_states(self):
         return self.monitor.states if self.monitor is not None else {}
@@ -169,7 +186,13 @@ def _admin_app(runtime: Runtime) -> web.Application:
             }
         return web.json_response({"backends": out})
 
+    async def memory_view(request):
+        if not authorized(request):
+            return web.json_response({"error": "admin token required"}, status=401)
+        return web.json_response(memory_report())
+
     app = web.Application()
+    app.router.add_get("/admin/memory", memory_view)
     app.router.add_get("/admin/models", models_view)
     app.router.add_get("/admin/backends", backends_view)
     app.router.add_get("/healthz", healthz)
@@ -177,6 +200,27 @@ def _admin_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/metrics", metrics_view)
     app.router.add_post("/admin/reload", reload_view)
     return app
+
+
+def memory_report() -> dict:
+    """What the process holds, for chasing growth: RSS, Python's allocated
+    blocks and tracked objects, and tracemalloc's figures when it runs
+    (``PYTHONTRACEMALLOC=1`` in the sidecar's environment)."""
+    out: dict = {"allocated_blocks": sys.getallocatedblocks(), "gc_objects": len(gc.get_objects())}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out["rss_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if tracemalloc.is_tracing():
+        current, peak = tracemalloc.get_traced_memory()
+        top = tracemalloc.take_snapshot().statistics("lineno")[:10]
+        out["tracemalloc"] = {
+            "current_bytes": current, "peak_bytes": peak,
+            "top": [{"where": str(s.traceback), "bytes": s.size, "count": s.count} for s in top],
+        }
+    return out
 
 
 class _SinkOf:
@@ -220,6 +264,8 @@ async def serve_async(
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen
+    # A supervised worker shares its admin port with its replacement while it drains.
+    shared = workers.supervised()
     limit = cfg.max_body_bytes + 1024 * 1024
     server = grpc.aio.server(
         options=[
@@ -229,9 +275,13 @@ async def serve_async(
             ("grpc.http2.max_pings_without_data", 0),
         ]
     )
-    pbg.add_ExternalProcessorServicer_to_server(Processor(runtime), server)
+    processor = Processor(runtime)
+    pbg.add_ExternalProcessorServicer_to_server(processor, server)
     meter = Meter(runtime.report_response, _SinkOf(runtime))
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(meter), server)
+    access_log = AccessLogService(meter)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     try:
         from .assign_service import add_to_server
 
@@ -249,7 +299,7 @@ async def serve_async(
     runner = web.AppRunner(_admin_app(runtime), access_log=None)
     await runner.setup()
     host, aport = _split_listen(admin_listen)
-    site = web.TCPSite(runner, host, aport)
+    site = web.TCPSite(runner, host, aport, reuse_port=shared or None)
     try:
         await site.start()
     except OSError as exc:
@@ -257,16 +307,33 @@ async def serve_async(
         raise SystemExit(f"error: cannot listen for the admin port on {admin_listen}: {exc.strerror}") from None
     from .monitor import Monitor
 
+    for reason, n in workers.restarts_so_far().items():
+        metrics.WORKER_RESTARTS.labels(reason).set(n)
     runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
     await runtime.monitor.start()
     runtime.ready = True
+    await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
     print(f"model-router sidecar ready: gRPC {grpc_listen}, admin http://{admin_listen}", flush=True)
+    workers.notify("ready")
 
     stop = asyncio.Event()
+    grace = float(cfg.drain_timeout_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    recycling = False
+
+    def recycle() -> None:
+        # Replaced: nothing waits for this process, so in-flight streams get as
+        # long as an upstream exchange may take.
+        nonlocal grace, recycling
+        grace = float(runtime.snapshot.config.envoy.upstream_timeout_s or 86_400)
+        recycling = True
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGUSR1, recycle)
 
     async def watch() -> None:
         while not stop.is_set():
@@ -278,12 +345,31 @@ async def serve_async(
 
     watcher = asyncio.create_task(watch())
     await stop.wait()
-    runtime.ready = False
     watcher.cancel()
+    if recycling:
+        # Serve on until Envoy's health check has found the replacement...
+        await asyncio.sleep(HEALTH_INTERVAL_S + 0.5)
+    runtime.ready = False
+    await health_service.enter_graceful_shutdown()
+    if recycling:
+        # ...and has seen this one go NOT_SERVING: until then it may open streams here.
+        await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
+    await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await runtime.monitor.stop()
     await runtime.close()
-    await server.stop(grace=5)
     await runner.cleanup()
+
+
+async def _drain(server, processor: Processor, access_log: AccessLogService, grace: float, flush_s: float) -> None:
+    """Stop taking streams (GOAWAY: Envoy opens new ones elsewhere), let the
+    ext_proc streams in flight finish, then end the access-log streams once
+    Envoy has had time to flush the entries of those requests."""
+    stopping = asyncio.create_task(server.stop(grace=grace))
+    deadline = time.monotonic() + grace
+    while processor.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    access_log.close(linger=2 * flush_s + 0.5)
+    await stopping
 
 
 def serve(config_path: str, **kwargs) -> None:

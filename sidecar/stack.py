@@ -22,6 +22,8 @@ from pathlib import Path
 
 from . import config as config_mod
 from . import envoyconf
+from .restarts import RestartPolicy, Restarts
+from .workers import port_in_use
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,13 +33,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(addr: str) -> bool:
-    host, _, port = addr.rpartition(":")
-    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host.strip("[]"), int(port)))
-            return True
-        except OSError:
-            return False
+    return not port_in_use(addr)
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive free ports."""
+    for _ in range(100):
+        first = free_port(host)
+        if first + count <= 65536 and all(port_free(f"{host}:{first + i}") for i in range(1, count)):
+            return first
+    raise StackError(f"no {count} consecutive free ports on {host}")
 
 
 def envoy_binary() -> str:
@@ -67,9 +72,7 @@ class _Proc:
 class _Watch:
     """What Stack.poll knows about one process name, across its restarts."""
 
-    deaths: list[float] = field(default_factory=list)  # monotonic times of unexpected exits, in the window
-    failures: int = 0  # consecutive short-lived runs: the exponent of the next backoff
-    up_since: float | None = None  # last seen ready
+    restarts: Restarts
     restart_at: float | None = None  # dead, restart scheduled
     ready_by: float | None = None  # restarted, not ready yet: give up past this
 
@@ -96,19 +99,19 @@ class Stack:
     workdir: Path | None = None
     demo_urls: dict[str, str] = field(default_factory=dict)
     sidecars: int = 1  # sidecar processes, each a separate endpoint of the ext_proc cluster
+    # Run the sidecars as one ``serve --workers N`` (the product's own supervisor)
+    # instead of one process each supervised here.
+    supervised: bool = False
     config_ports: bool = False  # use the config's listen addresses instead of free ports
     sidecar_grpc: list[str] = field(default_factory=list)
     sidecar_admin: list[str] = field(default_factory=list)
     envoy_admin: str = ""
     usage_records: Path | None = None  # where the sidecars append usage records; default: workdir/usage.jsonl
-    # Supervision (poll/supervise): restart an unexpected exit after a backoff
-    # doubling from restart_backoff[0] to restart_backoff[1] seconds (back to the
-    # start once a run lasted stable_after seconds); give up after give_up[0]
-    # exits of one process within give_up[1] seconds, or when a restarted one is
-    # not ready within restart_ready_timeout.
-    restart_backoff: tuple[float, float] = (0.5, 10.0)
-    stable_after: float = 30.0
-    give_up: tuple[int, float] = (5, 60.0)
+    sidecar_env: dict[str, str] = field(default_factory=dict)  # added to the sidecar processes' environment
+    # Supervision (poll/supervise): restart an unexpected exit as the policy
+    # says (sidecar.restarts); give up as it says, or when a restarted process
+    # is not ready within restart_ready_timeout.
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     restart_ready_timeout: float = 30.0
     _procs: dict[str, _Proc] = field(default_factory=dict)
     _watch: dict[str, _Watch] = field(default_factory=dict)
@@ -147,6 +150,16 @@ class Stack:
             for addr in [self.listen, self.envoy_admin, *self.sidecar_grpc, *self.sidecar_admin]:
                 if not port_free(addr):
                     raise StackError(f"{addr} is already in use (is another model-router or Envoy running?)")
+        elif self.supervised:
+            from .server import worker_addresses
+
+            self.listen = self.listen or f"127.0.0.1:{free_port()}"
+            self.sidecar_grpc, self.sidecar_admin = worker_addresses(
+                # Twice the gRPC ports: a recycling worker's replacement takes the second.
+                f"127.0.0.1:{free_port_run(2 * self.sidecars)}", f"127.0.0.1:{free_port_run(self.sidecars)}",
+                self.sidecars,
+            )
+            self.envoy_admin = f"127.0.0.1:{free_port()}"
         else:
             self.listen = self.listen or f"127.0.0.1:{free_port()}"
             self.sidecar_grpc = [f"127.0.0.1:{free_port()}" for _ in range(self.sidecars)]
@@ -162,22 +175,30 @@ class Stack:
                     for m in b.models or ["demo-model"]:
                         argv += ["--model", m]
                     self._spawn(f"demo-{b.name}", argv)
-            for i in range(self.sidecars):
-                self._spawn(f"sidecar-{i}", self.sidecar_argv(i))
+            if self.supervised:
+                argv = self.sidecar_argv(0)
+                argv[argv.index("--workers") + 1] = str(self.sidecars)
+                self._spawn("sidecar-supervisor", argv)
+            else:
+                for i in range(self.sidecars):
+                    self._spawn(f"sidecar-{i}", self.sidecar_argv(i))
             boot = envoyconf.bootstrap(
                 cfg, sidecar_addresses=self.sidecar_grpc, backend_urls=self.demo_urls,
                 listen=self.listen, admin_listen=self.envoy_admin,
             )
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoyconf.render(boot))
-            self._start_envoy(envoy_yaml)
             deadline = time.monotonic() + timeout
+            # Envoy health-checks the sidecars: started after them, it finds them serving.
+            for i, admin in enumerate(self.sidecar_admin):
+                name = "sidecar-supervisor" if self.supervised else f"sidecar-{i}"
+                self._wait_http(name, f"http://{admin}/readyz", deadline)
+            self._start_envoy(envoy_yaml)
             for name, url in self.demo_urls.items():
                 self._wait_http(f"demo-{name}", url + "/health", deadline)
-            for i, admin in enumerate(self.sidecar_admin):
-                self._wait_http(f"sidecar-{i}", f"http://{admin}/readyz", deadline)
             self._wait_http("envoy", f"http://{self.envoy_admin}/ready", deadline)
             self._wait_tcp("envoy", self.listen, deadline)
+            self.wait_envoy_sees_sidecars(self.sidecar_grpc, deadline)
         except BaseException:
             self.stop()
             raise
@@ -227,6 +248,21 @@ class Stack:
         deadline = time.monotonic() + timeout
         for j in indexes:
             self._wait_http(f"sidecar-{j}", f"http://{self.sidecar_admin[j]}/readyz", deadline)
+        self.wait_envoy_sees_sidecars([self.sidecar_grpc[j] for j in indexes], deadline)
+
+    def wait_envoy_sees_sidecars(self, addresses: list[str], deadline: float) -> None:
+        """Until Envoy's health check has found every sidecar at ``addresses`` serving."""
+        want = {f"{envoyconf.RESERVED_BACKEND_NAME}::{a}::health_flags::healthy" for a in addresses}
+        while True:
+            try:
+                text = urllib.request.urlopen(f"http://{self.envoy_admin}/clusters", timeout=2).read().decode()
+                if want <= set(text.splitlines()):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"Envoy does not see the sidecars at {', '.join(addresses)} as healthy")
+            time.sleep(0.05)
 
     def metrics_text(self) -> list[str]:
         """The /metrics page of every sidecar process."""
@@ -254,7 +290,9 @@ class Stack:
         for name, proc in list(self._procs.items()):
             if proc.stopped or proc.popen is None:
                 continue
-            w = self._watch.setdefault(name, _Watch(up_since=now))
+            w = self._watch.get(name)
+            if w is None:
+                w = self._watch[name] = _Watch(Restarts(self.restart_policy, up_since=now))
             if w.restart_at is not None:
                 if now >= w.restart_at:
                     self._restart(proc, w, now)
@@ -289,6 +327,8 @@ class Stack:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = self.workdir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if name.startswith("sidecar-"):
+            env.update(self.sidecar_env)
         fh = open(log, "ab")
         popen = subprocess.Popen(
             argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
@@ -297,17 +337,12 @@ class Stack:
         self._procs[name] = _Proc(name, argv, log, popen)
 
     def _exited(self, proc: _Proc, w: _Watch, code: int, now: float, say: Callable[[str], None]) -> None:
-        limit, window = self.give_up
-        w.deaths = [t for t in w.deaths if now - t < window] + [now]
-        if w.up_since is not None and now - w.up_since >= self.stable_after:
-            w.failures = 0
-        w.up_since = w.ready_by = None
+        w.ready_by = None
         how = describe_exit(code)
-        if len(w.deaths) >= limit:
-            raise StackError(f"{proc.name} exited ({how}) {len(w.deaths)} times within {window:g} s; "
+        delay = w.restarts.exited(now)
+        if delay is None:
+            raise StackError(f"{proc.name} exited ({how}) {w.restarts.window()}; "
                              f"giving up (log: {proc.log}){self._tail(proc.name)}")
-        delay = min(self.restart_backoff[0] * 2 ** w.failures, self.restart_backoff[1])
-        w.failures += 1
         w.restart_at = now + delay
         say(f"{proc.name} exited ({how}); restarting in {delay:.1f} s (log: {proc.log})")
 
@@ -326,7 +361,8 @@ class Stack:
     def _check_restarted(self, proc: _Proc, w: _Watch, now: float, say: Callable[[str], None]) -> None:
         url = self._ready_url(proc.name)
         if _answers(url):
-            w.ready_by, w.up_since = None, now
+            w.ready_by = None
+            w.restarts.up(now)
             say(f"{proc.name} restarted (pid {proc.popen.pid}) and ready")
         elif now > w.ready_by:
             raise StackError(f"{proc.name} was restarted but not ready at {url} within "
@@ -335,6 +371,8 @@ class Stack:
     def _ready_url(self, name: str) -> str:
         if name == "envoy":
             return f"http://{self.envoy_admin}/ready"
+        if name == "sidecar-supervisor":
+            return f"http://{self.sidecar_admin[0]}/readyz"
         if name.startswith("sidecar-"):
             return f"http://{self.sidecar_admin[int(name.removeprefix('sidecar-'))]}/readyz"
         return self.demo_urls[name.removeprefix("demo-")] + "/health"

@@ -23,6 +23,7 @@ import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from grpc_health.v1 import health, health_pb2_grpc
 
 from sidecar.assignment import assign
 from sidecar.stack import free_port
@@ -277,6 +278,8 @@ class StubServer:
         async def boot():
             self.server = grpc.aio.server()
             pbg.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
+            health_service = health.aio.HealthServicer()  # Envoy health-checks its ext_proc cluster
+            health_pb2_grpc.add_HealthServicer_to_server(health_service, self.server)
             assert self.server.add_insecure_port(self.addr) != 0
             await self.server.start()
 
@@ -307,6 +310,7 @@ backends:
 """, sidecars=0)
         # With no sidecar process, the bootstrap's ext_proc cluster is server.grpc_listen: the stub.
         assert f"port_value: {stub.addr.rpartition(':')[2]}" in (stack.workdir / "envoy.yaml").read_text()
+        stack.wait_envoy_sees_sidecars([stub.addr], time.monotonic() + 10)
         yield stack, stub.servicer
     finally:
         stub.stop()

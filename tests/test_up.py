@@ -16,6 +16,7 @@ import openai
 import pytest
 import yaml
 
+from sidecar.restarts import RestartPolicy
 from sidecar.stack import Stack, StackError, free_port, port_free
 
 pytestmark = pytest.mark.integration
@@ -356,7 +357,7 @@ def _poll_until_error(stack: Stack, said: list[str], timeout: float = 30) -> str
 def test_poll_backs_off_doubling_then_gives_up(tmp_path):
     """A process that always exits: restarted after 0.1, 0.2, 0.4 s (the cap);
     the 4th exit within the window ends it, naming the process, code and log."""
-    stack = Stack(tmp_path / "unused.yaml", workdir=tmp_path, restart_backoff=(0.1, 0.4), give_up=(4, 60))
+    stack = Stack(tmp_path / "unused.yaml", workdir=tmp_path, restart_policy=RestartPolicy(backoff=(0.1, 0.4), give_up=(4, 60)))
     stack.demo_urls["x"] = f"http://127.0.0.1:{free_port()}"
     said: list[str] = []
     try:
@@ -374,7 +375,8 @@ def test_poll_gives_up_when_a_restart_never_gets_ready(tmp_path):
     """Exits once, then runs without ever answering its readiness URL."""
     marker = tmp_path / "ran-once"
     script = "import os, sys, time\nif os.path.exists(sys.argv[1]): time.sleep(60)\nopen(sys.argv[1], 'w')\nsys.exit(3)"
-    stack = Stack(tmp_path / "unused.yaml", workdir=tmp_path, restart_backoff=(0.1, 0.1), restart_ready_timeout=0.5)
+    stack = Stack(tmp_path / "unused.yaml", workdir=tmp_path, restart_policy=RestartPolicy(backoff=(0.1, 0.1)),
+                  restart_ready_timeout=0.5)
     stack.demo_urls["x"] = url = f"http://127.0.0.1:{free_port()}"  # nothing will answer there
     said: list[str] = []
     try:

@@ -1,0 +1,251 @@
+"""Supervised workers, recycling, overload shedding and fail-open, through the real Envoy."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sidecar.stack import Stack
+from tests.conftest import sidecar_metric, write_config
+
+BASE = """
+server: {{workers: {workers}, max_requests_per_worker: {recycle}, max_in_flight: {in_flight}}}
+backends:
+  - {{name: pool-a, url: "demo://", models: [model-a]}}
+  - {{name: pool-b, url: "demo://", models: [model-b]}}
+model_experiments:
+  - name: split
+    model: chat
+    response_model: client
+    variants:
+      - {{id: control, model: model-a, weight: 50}}
+      - {{id: candidate, model: model-b, weight: 50}}
+"""
+
+
+def children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(x) for x in text.split()]
+
+
+class Load:
+    """Client threads that check every answer: buffered and streamed chat, rewritten."""
+
+    def __init__(self, url: str, threads: int = 4) -> None:
+        self.url = url
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.log: list[tuple[float, str]] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    def _run(self, seed: int) -> None:
+        n = 0
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            while not self.stop.is_set():
+                n += 1
+                outcome = self._one(http, f"caller-{seed}-{n}", stream=n % 3 == 0)
+                with self.lock:
+                    self.outcomes[outcome] += 1
+                    self.log.append((time.monotonic(), outcome))
+
+    @staticmethod
+    def _one(http: httpx.Client, key: str, stream: bool) -> str:
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        headers = {"authorization": f"Bearer {key}"}
+        try:
+            if not stream:
+                r = http.post("/v1/chat/completions", json=body, headers=headers)
+                return "ok" if r.status_code == 200 and r.json()["model"] == "chat" else f"status {r.status_code} {r.text[:200]}"
+            with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    return f"status {r.status_code} {r.read()[:200]!r}"
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            models = {json.loads(line[6:])["model"] for line in lines if line != "data: [DONE]"}
+            return "ok" if lines and lines[-1] == "data: [DONE]" and models == {"chat"} else "bad stream"
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+
+
+def supervised_stack(tmp_path: Path, workers: int, recycle: int = 0, in_flight: int = 256) -> Stack:
+    cfg = write_config(tmp_path, BASE.format(workers=workers, recycle=recycle, in_flight=in_flight))
+    return Stack(cfg, workdir=tmp_path, sidecars=workers, supervised=True).start()
+
+
+def worker_metric(stack: Stack, i: int, name: str, **labels) -> float:
+    text = httpx.get(f"http://{stack.sidecar_admin[i]}/metrics", timeout=5).text
+    return sidecar_metric(text, name, **labels)
+
+
+def test_a_killed_worker_is_restarted_and_the_others_serve_meanwhile(tmp_path):
+    stack = supervised_stack(tmp_path, workers=2)
+    restarted: list[int] = []
+    try:
+        supervisor = stack._procs["sidecar-supervisor"].popen.pid
+        before = children(supervisor)
+        assert len(before) == 2
+        with Load(stack.url) as load:
+            time.sleep(2)
+            victim = before[0]
+            killed_at = time.monotonic()
+            subprocess.run(["kill", "-KILL", str(victim)], check=True)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not restarted:
+                restarted = [p for p in children(supervisor) if p not in before]
+                time.sleep(0.05)
+            assert len(restarted) == 1, "the supervisor did not start a replacement"
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"http://{stack.sidecar_admin[0]}/readyz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+            back_at = time.monotonic()
+            time.sleep(3)
+        outage = [o for t, o in load.log if killed_at < t < back_at]
+        settled = [o for t, o in load.log if t > back_at + 1]
+        # Envoy ejects the dead worker on its first failed connection: the
+        # other one serves while the supervisor restarts it...
+        assert outage.count("ok") > 10, Counter(outage)
+        # ...and once it is back every request succeeds.
+        assert len(settled) > 50 and set(settled) == {"ok"}, Counter(settled)
+        crashes = [worker_metric(stack, i, "model_router_worker_restarts", reason="crash") for i in range(2)]
+        assert crashes == [1, 0]
+    finally:
+        stack.close()
+    assert all(not Path(f"/proc/{p}").exists() for p in before[1:] + restarted), "a worker outlived the stack"
+
+
+def test_recycling_under_load_fails_no_request(tmp_path):
+    stack = supervised_stack(tmp_path, workers=1, recycle=150)
+    try:
+        with Load(stack.url) as load:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                try:
+                    if worker_metric(stack, 0, "model_router_worker_restarts", reason="recycle") >= 3:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            time.sleep(1)
+        # (While one drains, old and new worker share the admin port: wait for the old to go.)
+        supervisor = stack._procs["sidecar-supervisor"].popen.pid
+        deadline = time.monotonic() + 30
+        while len(children(supervisor)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(children(supervisor)) == 1, "a drained worker does not exit"
+        recycles = worker_metric(stack, 0, "model_router_worker_restarts", reason="recycle")
+        assert recycles >= 3, f"only {recycles} recycles"
+        assert worker_metric(stack, 0, "model_router_worker_restarts", reason="crash") == 0
+        assert set(load.outcomes) == {"ok"}, load.outcomes
+        served = load.outcomes["ok"]
+        deadline = time.monotonic() + 10
+        records = 0
+        while time.monotonic() < deadline:
+            records = len(stack.usage_records.read_text().splitlines())
+            if records >= served:
+                break
+            time.sleep(0.2)
+        assert records == served, f"{served} requests, {records} usage records"
+    finally:
+        stack.close()
+
+
+def _slow_upload(addr: str) -> tuple[socket.socket, bytes]:
+    """Headers and part of a body, then silence: an ext_proc stream held open.
+    Returns the socket and the rest of the body."""
+    host, _, port = addr.rpartition(":")
+    s = socket.create_connection((host, int(port)))
+    body = b'{"model": "chat", "messages": [{"role": "user", "content": "slow"}]}'
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"authorization: Bearer slow\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:10])
+    return s, body[10:]
+
+
+def test_overload_is_refused_at_once_with_retry_after(tmp_path):
+    stack = supervised_stack(tmp_path, workers=1, in_flight=2)
+    held = []
+    try:
+        held = [_slow_upload(stack.listen) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while worker_metric(stack, 0, "model_router_in_flight_streams") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                       json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "router_overloaded"
+        a = httpx.post(f"{stack.url}/anthropic/v1/messages", timeout=10, headers={"anthropic-version": "2023-06-01"},
+                       json={"model": "chat", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+        assert a.status_code == 503 and a.json()["error"]["type"] == "overloaded_error"
+        assert worker_metric(stack, 0, "model_router_shed_total") == 2
+        # The held requests were admitted: finishing their bodies gets them served.
+        for s, rest in held:
+            s.sendall(rest)
+            s.settimeout(10)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        ok = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                        json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
+    finally:
+        for s, _ in held:
+            s.close()
+        stack.close()
+
+
+FAIL_OPEN = """
+server: {{failure_mode: open}}
+backends:
+  - {{name: pool-a, url: "demo://", models: [model-a]}}
+{extra}
+"""
+
+
+def test_fail_open_is_refused_when_it_would_skip_a_gate(tmp_path):
+    keys = 'api_keys:\n  - {key: sk-1, id: team-a, allowed_models: [model-a]}\n'
+    hidden = ("model_experiments:\n  - name: e\n    model: chat\n    hide_variant_models: true\n    variants:\n"
+              "      - {id: c, model: model-a, weight: 1}\n")
+    for extra, words in ((keys, "api_keys"), (hidden, "hides its variant models")):
+        path = write_config(tmp_path, FAIL_OPEN.format(extra=extra))
+        res = subprocess.run([sys.executable, "-m", "sidecar", "config", "validate", str(path)],
+                             capture_output=True, text=True)
+        assert res.returncode == 1
+        assert "server.failure_mode" in res.stderr and words in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_with_the_sidecar_down_requests_fail_closed_or_pass_untouched(tmp_path, mode):
+    cfg = write_config(tmp_path, FAIL_OPEN.format(extra="").replace("failure_mode: open", f"failure_mode: {mode}"))
+    with Stack(cfg, workdir=tmp_path) as stack:
+        stack.stop_sidecar()
+        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                       json={"model": "model-a", "messages": [{"role": "user", "content": "hi"}]})
+        if mode == "open":
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "model-a"
+            assert r.headers["x-demo-engine"] == "pool-a"
+        else:
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "upstream_unavailable"
