@@ -31,6 +31,8 @@ from pydantic import (
     field_validator,
 )
 
+from .engines import ENGINES, EngineSpec
+
 # Matched against the whole string (fullmatch): "$" alone would accept a
 # trailing newline, which a YAML block scalar adds silently.
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -177,18 +179,27 @@ class Backend(_Model):
         return v
 
     @property
+    def engine(self) -> EngineSpec | None:
+        """The engine this backend's type names; None: a hosted API, or any engine its metrics page shows."""
+        return ENGINES.get(self.type)
+
+    @property
     def probe_path(self) -> str | None:
         """Active health probe path; hosted APIs are judged passively only."""
         if self.health_path is not None:
             return self.health_path or None
-        return "/health" if self.type in ("vllm", "sglang") or self.is_demo else None
+        if self.engine is not None:
+            return self.engine.health_path
+        return "/health" if self.is_demo else None
 
     @property
     def scrape_path(self) -> str | None:
-        """Prometheus engine metrics path (vLLM / SGLang)."""
+        """Prometheus engine metrics path (the demo engine serves one too)."""
         if self.metrics_path is not None:
             return self.metrics_path or None
-        return "/metrics" if self.type in ("vllm", "sglang") or self.is_demo else None
+        if self.engine is not None:
+            return self.engine.metrics_path
+        return "/metrics" if self.is_demo else None
 
     @property
     def is_demo(self) -> bool:

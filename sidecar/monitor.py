@@ -5,8 +5,9 @@ backend it independently
 
 * probes ``<origin><base_path><probe_path>`` (2xx: healthy; anything else,
   an error or a timeout: unhealthy), when the backend has a probe path;
-* scrapes ``<origin><base_path><scrape_path>`` (Prometheus text) for vLLM or
-  SGLang load figures, when the backend has a scrape path;
+* scrapes ``<origin><base_path><scrape_path>`` (Prometheus text) for the load
+  figures of the backend's engine (:mod:`sidecar.engines`), when the backend
+  has a scrape path;
 * lists ``<origin><base_path>/v1/models`` with the backend's credentials.
 
 ``origin`` is the scheme and authority of the backend's effective URL; the
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,19 +39,17 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from .config import Monitor as MonitorConfig
+from .engines import ENGINES, parse_engine_metrics
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
 
 __all__ = [
     "ANTHROPIC_VERSION",
     "BackendState",
-    "EngineMetrics",
     "Monitor",
     "compute_throughput",
-    "parse_engine_metrics",
     "parse_models",
 ]
 
@@ -65,20 +63,6 @@ MAX_RECONCILE_S = 0.5
 """Longest wait before a config change (backends added/removed, monitor toggled) is seen."""
 MAX_SLEEP_CHUNK_S = 1.0
 """Longest single sleep of a poll loop, so a shortened interval is seen promptly."""
-
-VLLM_GENERATION_TOKENS = "vllm:generation_tokens_total"
-VLLM_WAITING = "vllm:num_requests_waiting"
-VLLM_RUNNING = "vllm:num_requests_running"
-SGLANG_THROUGHPUT = "sglang:gen_throughput"
-SGLANG_WAITING = "sglang:num_queue_reqs"
-SGLANG_RUNNING = "sglang:num_running_reqs"
-_WANTED = frozenset(
-    {VLLM_GENERATION_TOKENS, VLLM_WAITING, VLLM_RUNNING, SGLANG_THROUGHPUT, SGLANG_WAITING, SGLANG_RUNNING}
-)
-# Family names a HELP/TYPE line may use for the wanted samples (a counter's
-# family may be declared without its ``_total`` suffix).
-_WANTED_FAMILIES = _WANTED | {VLLM_GENERATION_TOKENS[: -len("_total")]}
-
 
 # --------------------------------------------------------------------------- state
 
@@ -117,98 +101,6 @@ class BackendState:
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    """Load figures read from one metrics page; None where the page lacks the metric.
-
-    Values of several label sets (models, data-parallel ranks) are summed.
-    """
-
-    generation_tokens_total: float | None = None
-    waiting: float | None = None
-    running: float | None = None
-    gen_throughput: float | None = None
-
-
-def _sample_name(line: str) -> str:
-    end = len(line)
-    for stop in ("{", " ", "\t"):
-        i = line.find(stop)
-        if 0 <= i < end:
-            end = i
-    return line[:end]
-
-
-def _relevant_lines(text: str) -> list[str]:
-    """The sample lines of the wanted metrics, plus their HELP/TYPE lines."""
-    out = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED_FAMILIES:
-                out.append(line)
-            continue
-        if _sample_name(line) in _WANTED:
-            out.append(line)
-    return out
-
-
-def _parse(text: str) -> list[tuple[str, float]]:
-    return [(s.name, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def _samples(lines: list[str]) -> list[tuple[str, float]]:
-    """(sample name, value) pairs parsed by prometheus_client, skipping lines it rejects."""
-    try:
-        return _parse("\n".join(lines) + "\n")
-    except ValueError:
-        pass
-    # One malformed line spoils a whole-page parse; parse line by line instead.
-    out: list[tuple[str, float]] = []
-    for line in lines:
-        if line.startswith("#"):
-            continue
-        try:
-            out.extend(_parse(line + "\n"))
-        except ValueError:
-            continue
-    return out
-
-
-def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Read vLLM / SGLang load figures from Prometheus text.
-
-    vLLM: ``vllm:generation_tokens_total`` (counter), ``vllm:num_requests_waiting``
-    and ``vllm:num_requests_running`` (gauges). SGLang: ``sglang:gen_throughput``
-    (tokens/s), ``sglang:num_queue_reqs`` (waiting) and ``sglang:num_running_reqs``
-    (running). Each is summed over its label sets; non-finite values and
-    malformed lines are ignored. When a page carries both namings, the vLLM
-    queue figures win.
-    """
-    sums: dict[str, float] = {}
-    lines = _relevant_lines(text)
-    if lines:
-        for name, value in _samples(lines):
-            if name in _WANTED and isinstance(value, (int, float)) and math.isfinite(value):
-                sums[name] = sums.get(name, 0.0) + float(value)
-
-    def first(*names: str) -> float | None:
-        for n in names:
-            if n in sums:
-                return sums[n]
-        return None
-
-    return EngineMetrics(
-        generation_tokens_total=sums.get(VLLM_GENERATION_TOKENS),
-        waiting=first(VLLM_WAITING, SGLANG_WAITING),
-        running=first(VLLM_RUNNING, SGLANG_RUNNING),
-        gen_throughput=sums.get(SGLANG_THROUGHPUT),
-    )
 
 
 def compute_throughput(
@@ -628,31 +520,27 @@ class Monitor:
         path = info.config.scrape_path or ""
         try:
             body = await self._get(info, path, mon)
-            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"))
+            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"), info.config.engine)
             error = None
         except _PollError as exc:
             metrics, error = None, str(exc)
         at = self._clock()
 
         def update(track: _Track) -> None:
+            previous = track.counter
             if metrics is None:
                 if track.scrape_ok:
                     log.debug("monitor: metrics scrape of backend %s (%s) failed: %s", info.name, path, error)
                 track.scrape_ok = False
                 return
             track.scrape_ok = True
-            if metrics.gen_throughput is not None and (
-                info.config.type == "sglang" or metrics.generation_tokens_total is None
-            ):
-                track.tps = metrics.gen_throughput
-            elif metrics.generation_tokens_total is not None:
-                current = (at, metrics.generation_tokens_total)
-                track.tps = compute_throughput(track.counter, current, mon.freshness_s)
-            else:
-                track.tps = None
-            track.counter = (
-                (at, metrics.generation_tokens_total) if metrics.generation_tokens_total is not None else None
-            )
+            track.tps, track.counter = None, None
+            if metrics.engine is not None and metrics.throughput is not None:
+                if ENGINES[metrics.engine].throughput.kind == "gauge":
+                    track.tps = metrics.throughput
+                else:
+                    track.counter = (at, metrics.throughput)
+                    track.tps = compute_throughput(previous, track.counter, mon.freshness_s)
             track.waiting = metrics.waiting
             track.running = metrics.running
             track.scraped_at = at

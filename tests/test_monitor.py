@@ -1,4 +1,4 @@
-"""The backend monitor: parsing helpers, the freshness and admission rules, and live polling of demo engines."""
+"""The backend monitor: model lists, the freshness and admission rules, and live polling of demo engines."""
 
 from __future__ import annotations
 
@@ -21,11 +21,9 @@ import pytest
 from sidecar.config import parse
 from sidecar.monitor import (
     BackendState,
-    EngineMetrics,
     Monitor,
     auth_headers,
     compute_throughput,
-    parse_engine_metrics,
     parse_models,
     poll_url,
 )
@@ -34,93 +32,7 @@ from sidecar.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
-VLLM_PAGE = """\
-# HELP vllm:num_requests_running Number of requests currently running on GPU.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="llama"} 3.0
-vllm:num_requests_running{engine="1",model_name="llama"} 2.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="llama"} 4.0
-vllm:num_requests_waiting{engine="1",model_name="llama"} 1.0
-# HELP vllm:generation_tokens_total Number of generation tokens processed.
-# TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{engine="0",model_name="llama"} 1000.0
-vllm:generation_tokens_total{engine="1",model_name="llama"} 234.0
-# HELP vllm:generation_tokens_created Number of generation tokens processed.
-# TYPE vllm:generation_tokens_created gauge
-vllm:generation_tokens_created{engine="0",model_name="llama"} 1.7e+09
-# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="llama"} 0.0
-vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="llama"} 12.0
-vllm:time_to_first_token_seconds_count{model_name="llama"} 12.0
-vllm:time_to_first_token_seconds_sum{model_name="llama"} 1.5
-# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.
-# TYPE process_cpu_seconds_total counter
-process_cpu_seconds_total 12.5
-"""
-
-SGLANG_PAGE = """\
-# HELP sglang:gen_throughput The generation throughput (token/s).
-# TYPE sglang:gen_throughput gauge
-sglang:gen_throughput{model_name="qwen",tp_rank="0"} 812.5
-# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
-# TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 6.0
-# HELP sglang:num_running_reqs The number of running requests.
-# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 9.0
-# HELP sglang:token_usage The token usage.
-# TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="qwen",tp_rank="0"} 0.25
-"""
-
-
 # --------------------------------------------------------------------------- parsing
-
-
-def test_parse_vllm_sums_label_sets_and_ignores_other_metrics():
-    m = parse_engine_metrics(VLLM_PAGE)
-    assert m == EngineMetrics(generation_tokens_total=1234.0, waiting=5.0, running=5.0, gen_throughput=None)
-
-
-def test_parse_sglang():
-    m = parse_engine_metrics(SGLANG_PAGE)
-    assert m == EngineMetrics(generation_tokens_total=None, waiting=6.0, running=9.0, gen_throughput=812.5)
-
-
-def test_parse_missing_metrics_are_none():
-    assert parse_engine_metrics("") == EngineMetrics()
-    assert parse_engine_metrics("# just a comment\nprocess_cpu_seconds_total 1\n") == EngineMetrics()
-    only_waiting = "vllm:num_requests_waiting 2\n"
-    assert parse_engine_metrics(only_waiting) == EngineMetrics(waiting=2.0)
-
-
-def test_parse_without_help_or_type_lines_and_with_family_named_without_total():
-    untyped = 'vllm:generation_tokens_total{model_name="m"} 42\nvllm:num_requests_running 1\n'
-    assert parse_engine_metrics(untyped) == EngineMetrics(generation_tokens_total=42.0, running=1.0)
-    openmetrics_style = (
-        "# TYPE vllm:generation_tokens counter\n"
-        'vllm:generation_tokens_total{model_name="m"} 42\n'
-        'vllm:generation_tokens_created{model_name="m"} 1.7e9\n'
-    )
-    assert parse_engine_metrics(openmetrics_style).generation_tokens_total == 42.0
-
-
-def test_parse_tolerates_malformed_lines_and_non_finite_values():
-    page = (
-        "this is not prometheus text {{{\n"
-        'vllm:num_requests_waiting{model_name="a"} 3\n'
-        'vllm:num_requests_waiting{model_name="b" oops\n'
-        'vllm:num_requests_waiting{model_name="c"} NaN\n'
-        'vllm:num_requests_running{model_name="a"} +Inf\n'
-        'vllm:generation_tokens_total{model_name="a"} 7 1700000000000\n'
-    )
-    m = parse_engine_metrics(page)
-    assert m.waiting == 3.0
-    assert m.running is None
-    assert m.generation_tokens_total == 7.0
 
 
 def test_parse_models():

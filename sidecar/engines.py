@@ -1,0 +1,192 @@
+"""The engines the monitor knows, and how it reads their Prometheus pages.
+
+One table, :data:`ENGINES`, keyed by backend ``type``, says for each engine
+where its health check and metrics live, which series carry its generation
+throughput and its waiting and running requests, and which labels on those
+series must not be summed. :func:`parse_engine_metrics` turns a page into one
+figure per series under these rules, applied in this order:
+
+* ``breakdown``: a label whose empty value carries a total beside one series
+  per value (SGLang's ``priority``). Where the total is on the page, the
+  breakdown's series are ignored; where it is not, they are summed.
+* ``copies``: labels that tell apart copies of one figure (SGLang's
+  ``tp_rank``, ``pp_rank`` and ``moe_ep_rank`` when every scheduler publishes
+  the same batch; ``pid`` when ``prometheus_client``'s multiprocess mode keeps
+  one series per process). Series that differ only in these labels count once,
+  at their maximum.
+* Everything still apart is summed: data-parallel ranks (vLLM's ``engine``,
+  SGLang's ``dp_rank``) each carry their own share of the backend's load.
+
+Non-finite values and lines that are not Prometheus text are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["ENGINES", "EngineMetrics", "EngineSpec", "Throughput", "parse_engine_metrics"]
+
+ThroughputKind = Literal["counter", "gauge"]
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    """Where an engine's generation throughput comes from.
+
+    ``counter``: a token counter that moves as tokens are generated; the
+    monitor takes its rate between two fresh scrapes. ``gauge``: the engine's
+    own tokens/s figure, read as it is.
+    """
+
+    series: str
+    kind: ThroughputKind
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine: its health and metrics paths, the series read, and the label rules."""
+
+    name: str
+    health_path: str
+    throughput: Throughput
+    waiting: str
+    running: str
+    metrics_path: str = "/metrics"
+    copies: frozenset[str] = frozenset()
+    breakdown: str | None = None
+
+    @property
+    def series(self) -> frozenset[str]:
+        return frozenset({self.throughput.series, self.waiting, self.running})
+
+
+VLLM = EngineSpec(
+    name="vllm",
+    health_path="/health",
+    # V0 and V1 alike; V1 declares the family without _total, the sample keeps it.
+    throughput=Throughput("vllm:generation_tokens_total", "counter"),
+    waiting="vllm:num_requests_waiting",
+    running="vllm:num_requests_running",
+    copies=frozenset({"pid"}),
+)
+SGLANG = EngineSpec(
+    name="sglang",
+    health_path="/health",
+    # Tokens/s over the scheduler's last decode-log interval (40 steps by default).
+    throughput=Throughput("sglang:gen_throughput", "gauge"),
+    waiting="sglang:num_queue_reqs",
+    running="sglang:num_running_reqs",
+    copies=frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"}),
+    breakdown="priority",
+)
+
+ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (VLLM, SGLANG)}
+"""Engine specs by backend ``type``; a type not listed here has no spec."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """The figures one page gave; None where the page lacks the series.
+
+    ``engine`` names the spec whose series were found (None: none were);
+    ``throughput`` is the value of its throughput series, a counter's total or
+    a tokens/s gauge as the spec says.
+    """
+
+    engine: str | None = None
+    throughput: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+
+
+def _sample_name(line: str) -> str:
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        i = line.find(stop)
+        if 0 <= i < end:
+            end = i
+    return line[:end]
+
+
+def _parse(text: str) -> list[_Sample]:
+    return [
+        _Sample(s.name, s.labels, float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if isinstance(s.value, (int, float)) and math.isfinite(s.value)
+    ]
+
+
+def _samples(text: str, names: frozenset[str]) -> list[_Sample]:
+    """The samples of ``names`` on a page, skipping lines prometheus_client rejects."""
+    lines = [line for raw in text.splitlines() if (line := raw.strip()) and not line.startswith("#")
+             and _sample_name(line) in names]
+    if not lines:
+        return []
+    try:
+        return _parse("\n".join(lines) + "\n")
+    except ValueError:
+        pass
+    # One malformed line spoils a whole-page parse; parse line by line instead.
+    out: list[_Sample] = []
+    for line in lines:
+        try:
+            out.extend(_parse(line + "\n"))
+        except ValueError:
+            continue
+    return out
+
+
+def _without(labels: Mapping[str, str], drop: Iterable[str]) -> frozenset[tuple[str, str]]:
+    gone = set(drop)
+    return frozenset((k, v) for k, v in labels.items() if k not in gone)
+
+
+def _combine(samples: Iterable[_Sample], spec: EngineSpec) -> float | None:
+    """One series' samples as one figure under ``spec``'s label rules; None without samples."""
+    rows = list(samples)
+    if not rows:
+        return None
+    if spec.breakdown is not None:
+        label = spec.breakdown
+        totals = {_without(s.labels, (label,)) for s in rows if s.labels.get(label) == ""}
+        rows = [s for s in rows if s.labels.get(label, "") == "" or _without(s.labels, (label,)) not in totals]
+    groups: dict[frozenset[tuple[str, str]], float] = {}
+    for s in rows:
+        key = _without(s.labels, spec.copies)
+        groups[key] = max(s.value, groups.get(key, s.value))
+    return sum(groups.values())
+
+
+def parse_engine_metrics(text: str, engine: EngineSpec | None = None) -> EngineMetrics:
+    """Read one engine's figures from Prometheus text.
+
+    With ``engine`` None (a backend whose type names no engine), the first
+    engine of :data:`ENGINES` with one of its series on the page is read.
+    """
+    specs = [engine] if engine is not None else list(ENGINES.values())
+    samples = _samples(text, frozenset().union(*(s.series for s in specs)))
+    for spec in specs:
+        found = _read(samples, spec)
+        if (found.throughput, found.waiting, found.running) != (None, None, None):
+            return found
+    return EngineMetrics()
+
+
+def _read(samples: list[_Sample], spec: EngineSpec) -> EngineMetrics:
+    def figure(series: str) -> float | None:
+        return _combine((s for s in samples if s.name == series), spec)
+
+    return EngineMetrics(spec.name, figure(spec.throughput.series), figure(spec.waiting), figure(spec.running))

@@ -1,0 +1,99 @@
+"""Engine specs and the metrics parser, on sample pages built from each engine's metric definitions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sidecar.engines import ENGINES, EngineMetrics, parse_engine_metrics
+
+PAGES = Path(__file__).resolve().parent / "data" / "engines"
+
+
+def page(name: str) -> str:
+    return (PAGES / f"{name}.prom").read_text(encoding="utf-8")
+
+
+# page -> (engine, throughput series value, waiting, running), as a correct reading gives them.
+EXPECTED = {
+    "vllm-v1": ("vllm", 182345.0, 2.0, 7.0),  # _created and the by-reason sibling are not read
+    "vllm-v1-dp-api-servers": ("vllm", 1200.0, 4.0, 9.0),  # engine="0","1": data-parallel ranks add up
+    "vllm-v0": ("vllm", 9000.0, 1.0, 3.0),
+    "sglang-default": ("sglang", 800.0, 6.0, 9.0),
+    "sglang-priority-buckets": ("sglang", 800.0, 6.0, 9.0),  # the priority="" total, not total + buckets
+    "sglang-dp": ("sglang", 772.5, 5.0, None),  # dp_rank="0","1" add up
+    "sglang-tp-all-schedulers": ("sglang", 800.0, 6.0, None),  # one batch seen by two TP ranks counts once
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_sample_pages_read_as_their_engine(name):
+    engine, throughput, waiting, running = EXPECTED[name]
+    expected = EngineMetrics(engine, throughput, waiting, running)
+    assert parse_engine_metrics(page(name), ENGINES[engine]) == expected
+    # A backend whose type names no engine reads the page of whichever engine it shows.
+    assert parse_engine_metrics(page(name)) == expected
+
+
+def test_a_page_of_another_engine_gives_nothing():
+    assert parse_engine_metrics(page("sglang-default"), ENGINES["vllm"]) == EngineMetrics()
+    assert parse_engine_metrics(page("vllm-v1"), ENGINES["sglang"]) == EngineMetrics()
+
+
+def test_a_breakdown_without_its_total_is_summed():
+    text = (
+        'sglang:num_queue_reqs{priority="le_4",tp_rank="0"} 4\n'
+        'sglang:num_queue_reqs{priority="gt_4",tp_rank="0"} 2\n'
+        # dp_rank 1 publishes its total: its breakdown is ignored, rank 0's is not.
+        'sglang:num_queue_reqs{dp_rank="1",priority="",tp_rank="0"} 5\n'
+        'sglang:num_queue_reqs{dp_rank="1",priority="1",tp_rank="0"} 5\n'
+    )
+    assert parse_engine_metrics(text, ENGINES["sglang"]).waiting == 11.0
+
+
+def test_copies_count_once_at_their_maximum_per_data_parallel_rank():
+    text = (
+        'sglang:num_running_reqs{dp_rank="0",pp_rank="0",tp_rank="0"} 3\n'
+        'sglang:num_running_reqs{dp_rank="0",pp_rank="0",tp_rank="1"} 3\n'
+        'sglang:num_running_reqs{dp_rank="0",pp_rank="1",tp_rank="0"} 2\n'
+        'sglang:num_running_reqs{dp_rank="1",pp_rank="0",tp_rank="0"} 4\n'
+        'sglang:num_running_reqs{dp_rank="1",moe_ep_rank="1",pp_rank="0",tp_rank="0"} 4\n'
+    )
+    assert parse_engine_metrics(text, ENGINES["sglang"]).running == 7.0
+    # prometheus_client's multiprocess "all" mode: one series per process, one real.
+    per_process = (
+        'vllm:num_requests_waiting{engine="0",pid="271"} 0\n'
+        'vllm:num_requests_waiting{engine="0",pid="272"} 3\n'
+        'vllm:num_requests_waiting{engine="1",pid="273"} 2\n'
+    )
+    assert parse_engine_metrics(per_process, ENGINES["vllm"]).waiting == 5.0
+
+
+def test_missing_series_are_none():
+    assert parse_engine_metrics("") == EngineMetrics()
+    assert parse_engine_metrics("# just a comment\nprocess_cpu_seconds_total 1\n") == EngineMetrics()
+    assert parse_engine_metrics("vllm:num_requests_waiting 2\n") == EngineMetrics("vllm", waiting=2.0)
+
+
+def test_help_and_type_lines_are_not_needed_and_a_family_may_drop_total():
+    untyped = 'vllm:generation_tokens_total{model_name="m"} 42\nvllm:num_requests_running 1\n'
+    assert parse_engine_metrics(untyped) == EngineMetrics("vllm", throughput=42.0, running=1.0)
+    openmetrics_style = (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 42\n'
+        'vllm:generation_tokens_created{model_name="m"} 1.7e9\n'
+    )
+    assert parse_engine_metrics(openmetrics_style, ENGINES["vllm"]).throughput == 42.0
+
+
+def test_malformed_lines_and_non_finite_values_are_ignored():
+    text = (
+        "this is not prometheus text {{{\n"
+        'vllm:num_requests_waiting{model_name="a"} 3\n'
+        'vllm:num_requests_waiting{model_name="b" oops\n'
+        'vllm:num_requests_waiting{model_name="c"} NaN\n'
+        'vllm:num_requests_running{model_name="a"} +Inf\n'
+        'vllm:generation_tokens_total{model_name="a"} 7 1700000000000\n'
+    )
+    assert parse_engine_metrics(text, ENGINES["vllm"]) == EngineMetrics("vllm", 7.0, 3.0, None)

@@ -1,0 +1,120 @@
+"""The monitor against stand-ins for each engine, behind the real Envoy.
+
+Demo engines serve the sample pages of ``tests/data/engines`` (and SGLang's
+404 and slow health check); the tests read what the monitor made of them in
+``/admin/backends`` and send requests through Envoy to see the saturation
+gate and ``:nitro`` act on those figures.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from .test_engines import page
+
+pytestmark = pytest.mark.integration
+
+CONFIG = """
+server: {admin_token: adm}
+proxy: {variant_suffixes: {enabled: true}}
+monitor: {probe_interval_s: 0.25, scrape_interval_s: 0.25, models_interval_s: 2, freshness_s: 3, max_waiting: 8}
+backends:
+  - {name: vllm-v1, url: "demo://", type: vllm, models: [m-vllm-v1]}
+  - {name: vllm-v1-dp, url: "demo://", type: vllm, models: [m-vllm-v1-dp]}
+  - {name: vllm-v0, url: "demo://", type: vllm, models: [m-vllm-v0]}
+  - {name: sglang, url: "demo://", type: sglang, models: [fast]}
+  - {name: sglang-priority, url: "demo://", type: sglang, models: [prio]}
+  - {name: sglang-dp, url: "demo://", type: sglang, models: [fast]}
+  - {name: sglang-tp, url: "demo://", type: sglang, models: [fast]}
+"""
+
+# backend -> (sample page, throughput_tps, waiting, running) as /admin/backends should show them.
+# A counter that does not move is a throughput of 0: two fresh scrapes say so.
+SERVED = {
+    "vllm-v1": ("vllm-v1", 0.0, 2.0, 7.0),
+    "vllm-v1-dp": ("vllm-v1-dp-api-servers", 0.0, 4.0, 9.0),
+    "vllm-v0": ("vllm-v0", 0.0, 1.0, 3.0),
+    "sglang": ("sglang-default", 800.0, 6.0, 9.0),
+    "sglang-priority": ("sglang-priority-buckets", 800.0, 6.0, 9.0),
+    "sglang-dp": ("sglang-dp", 772.5, 5.0, None),
+    "sglang-tp": ("sglang-tp-all-schedulers", 800.0, 6.0, None),
+}
+
+
+def set_state(stack, name: str, **state) -> dict:
+    r = httpx.post(stack.demo_urls[name] + "/_demo/state", json=state)
+    r.raise_for_status()
+    return r.json()
+
+
+def admin_backends(stack) -> dict:
+    r = httpx.get(f"http://{stack.sidecar_admin[0]}/admin/backends", headers={"authorization": "Bearer adm"})
+    return r.json()["backends"]
+
+
+def wait_for(pred, what: str, timeout: float = 15.0, fail: bool = True):
+    """``pred()`` once truthy; at ``timeout`` a failure, or with ``fail`` False its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            assert value or not fail, f"timed out waiting for {what}"
+            return value
+        time.sleep(0.05)
+
+
+def figures(view: dict) -> tuple:
+    return view["throughput_tps"], view["waiting"], view["running"]
+
+
+def served_by(resp) -> str:
+    return resp.choices[0].message.content.split("]")[0].lstrip("[")
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    s = stack_factory(CONFIG)
+    for name, (sample, *_) in SERVED.items():
+        set_state(s, name, metrics_page=page(sample))
+    s.oa = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
+    wanted = {name: tuple(expected) for name, (_, *expected) in SERVED.items()}
+    # Settle: the switch from the demo engine's own page moves its counter once. The tests
+    # themselves say what differs when the figures never come right.
+    wait_for(lambda: {n: figures(v) for n, v in admin_backends(s).items() if n in wanted} == wanted,
+             "the monitor to read every sample page", fail=False)
+    return s
+
+
+def test_the_monitor_reads_each_page_as_its_engine_means_it(stack):
+    view = admin_backends(stack)
+    for name, (_, tps, waiting, running) in SERVED.items():
+        assert figures(view[name]) == (tps, waiting, running), name
+        assert view[name]["healthy"] and view[name]["admissible"], name
+
+
+def test_the_gate_counts_sglang_s_priority_total_once(stack):
+    # max_waiting is 8: the total of 6 admits the backend (total plus its buckets, 12, would not).
+    assert admin_backends(stack)["sglang-priority"]["admissible"]
+    assert served_by(stack.oa.chat.completions.create(model="prio", messages=[])) == "sglang-priority"
+    busier = page("sglang-priority-buckets").replace('priority="",tp_rank="0"} 6.0', 'priority="",tp_rank="0"} 9.0')
+    set_state(stack, "sglang-priority", metrics_page=busier)
+    try:
+        wait_for(lambda: not admin_backends(stack)["sglang-priority"]["admissible"], "a queue of 9 to saturate")
+        assert admin_backends(stack)["sglang-priority"]["waiting"] == 9.0
+        with pytest.raises(openai.APIStatusError) as info:
+            stack.oa.chat.completions.create(model="prio", messages=[])
+        assert info.value.status_code == 503 and info.value.body["code"] == "no_backend_available"
+    finally:
+        set_state(stack, "sglang-priority", metrics_page=page("sglang-priority-buckets"))
+    wait_for(lambda: admin_backends(stack)["sglang-priority"]["admissible"], "the queue to drop back")
+
+
+def test_nitro_counts_a_batch_seen_by_every_tp_rank_once(stack):
+    # sglang and sglang-tp both generate 800 tokens/s (sglang-tp's two ranks report the same
+    # batch), sglang-dp 772.5 over two DP ranks: :nitro keeps the two tied at 800.
+    seen = {served_by(stack.oa.chat.completions.create(model="fast:nitro", messages=[])) for _ in range(6)}
+    assert seen == {"sglang", "sglang-tp"}
