@@ -1,9 +1,9 @@
 """The engines the monitor knows, and how it reads their Prometheus pages.
 
 One table, :data:`ENGINES`, keyed by backend ``type``, says for each engine
-where its health check and metrics live, which series carry its generation
-throughput and its waiting and running requests, and which labels on those
-series must not be summed. :func:`parse_engine_metrics` turns a page into one
+what its health check is (:class:`HealthCheck`), where its metrics live, which
+series carry its generation throughput and its waiting and running requests,
+and which labels on those series must not be summed. :func:`parse_engine_metrics` turns a page into one
 figure per series under these rules, applied in this order:
 
 * ``breakdown``: a label whose empty value carries a total beside one series
@@ -29,9 +29,30 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ENGINES", "EngineMetrics", "EngineSpec", "Throughput", "parse_engine_metrics"]
+__all__ = ["ENGINES", "LIVENESS", "EngineMetrics", "EngineSpec", "HealthCheck", "Throughput", "parse_engine_metrics"]
 
+CheckKind = Literal["liveness", "generation"]
 ThroughputKind = Literal["counter", "gauge"]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    """How a backend's health is checked.
+
+    ``liveness``: a cheap answer, bounded by ``monitor.timeout_s``.
+    ``generation``: the engine generates a token before it answers, which
+    takes about a second when idle and longer under load; bounded by
+    ``monitor.generation_check_timeout_s``. ``down_after`` failed checks in a
+    row mark a backend down; before its first successful check, one does.
+    """
+
+    path: str
+    kind: CheckKind = "liveness"
+    down_after: int = 1
+
+
+LIVENESS = HealthCheck("/health")
+"""The check of a backend whose type names no engine (the demo engine's, or a set ``health_path``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +73,7 @@ class EngineSpec:
     """One engine: its health and metrics paths, the series read, and the label rules."""
 
     name: str
-    health_path: str
+    health: HealthCheck
     throughput: Throughput
     waiting: str
     running: str
@@ -67,7 +88,7 @@ class EngineSpec:
 
 VLLM = EngineSpec(
     name="vllm",
-    health_path="/health",
+    health=LIVENESS,  # reads a flag; 503 once the engine is dead
     # V0 and V1 alike; V1 declares the family without _total, the sample keeps it.
     throughput=Throughput("vllm:generation_tokens_total", "counter"),
     waiting="vllm:num_requests_waiting",
@@ -76,7 +97,10 @@ VLLM = EngineSpec(
 )
 SGLANG = EngineSpec(
     name="sglang",
-    health_path="/health",
+    # /health (like /health_generate) waits for a one-token generation: at least 1 s,
+    # up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s) under load, 503 past it. One slow
+    # answer is no verdict; two failures in a row are.
+    health=HealthCheck("/health", "generation", down_after=2),
     # Tokens/s over the scheduler's last decode-log interval (40 steps by default).
     throughput=Throughput("sglang:gen_throughput", "gauge"),
     waiting="sglang:num_queue_reqs",

@@ -3,8 +3,10 @@
 The monitor runs asyncio tasks inside the sidecar process. For every enabled
 backend it independently
 
-* probes ``<origin><base_path><probe_path>`` (2xx: healthy; anything else,
-  an error or a timeout: unhealthy), when the backend has a probe path;
+* checks health at ``<origin><base_path><probe_path>`` when the backend has a
+  probe path (2xx: a passed check; anything else, an error or a timeout: a
+  failed one). The engine's :class:`~sidecar.engines.HealthCheck` says how
+  long a check may take and how many failures in a row mark the backend down;
 * scrapes ``<origin><base_path><scrape_path>`` (Prometheus text) for the load
   figures of the backend's engine (:mod:`sidecar.engines`), when the backend
   has a scrape path;
@@ -41,7 +43,7 @@ import aiohttp
 import orjson
 
 from .config import Monitor as MonitorConfig
-from .engines import ENGINES, parse_engine_metrics
+from .engines import ENGINES, HealthCheck, parse_engine_metrics
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
 
@@ -71,14 +73,16 @@ MAX_SLEEP_CHUNK_S = 1.0
 class BackendState:
     """What the monitor knows about one backend, as of one publication.
 
-    ``healthy`` is the result of the last active probe (True when the backend
-    has no probe path or has not been probed yet). A passive hold-out is
+    ``healthy`` is the verdict of the active health checks (True when the
+    backend has no probe path or has not been checked yet); ``probe_failures``
+    counts the failed checks since the last passed one. A passive hold-out is
     reported separately in ``held_out_until`` because it ends by the clock;
     :meth:`admissible` combines both.
     """
 
     name: str
     healthy: bool = True
+    probe_failures: int = 0
     held_out_until: float = 0.0
     models: tuple[str, ...] | None = None
     models_ok: bool = False
@@ -181,6 +185,8 @@ class _Track:
     url: str
     generation: int = 0
     probe_ok: bool = True
+    probe_failures: int = 0  # failed health checks since the last passed one
+    probe_passed: bool = False  # a check has passed since this track began
     held_out_until: float = 0.0
     models: tuple[str, ...] | None = None
     models_ok: bool = False
@@ -344,8 +350,8 @@ class Monitor:
                 if not active:
                     continue
                 kinds = self._wanted_kinds(info)
-                if "probe" not in kinds and not track.probe_ok:
-                    track.probe_ok = True
+                if "probe" not in kinds and (not track.probe_ok or track.probe_failures):
+                    track.probe_ok, track.probe_failures = True, 0
                     track.generation += 1
                 if "scrape" not in kinds and track.scraped_at is not None:
                     track.reset_load()
@@ -394,6 +400,7 @@ class Monitor:
         return BackendState(
             name=name,
             healthy=track.probe_ok,
+            probe_failures=track.probe_failures,
             held_out_until=track.held_out_until,
             models=track.models,
             models_ok=track.models_ok,
@@ -463,8 +470,13 @@ class Monitor:
             track = self._tracks.get(name)
             return None if track is None else track.generation
 
-    async def _get(self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict | None = None) -> bytes:
-        """GET a backend path; the body of a 2xx answer, else :class:`_PollError`."""
+    async def _get(
+        self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> bytes:
+        """GET a backend path within ``timeout_s`` (default ``monitor.timeout_s``); the body
+        of a 2xx answer, else :class:`_PollError`."""
+        timeout_s = mon.timeout_s if timeout_s is None else timeout_s
         session = self._session
         if session is None or session.closed:
             raise _PollError("monitor is stopped")
@@ -473,7 +485,7 @@ class Monitor:
                 poll_url(info, path),
                 headers=auth_headers(info),
                 params=params,
-                timeout=aiohttp.ClientTimeout(total=mon.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
                 allow_redirects=False,
             ) as resp:
                 if not 200 <= resp.status < 300:
@@ -488,7 +500,7 @@ class Monitor:
                     chunks.append(chunk)
                 return b"".join(chunks)
         except TimeoutError:
-            raise _PollError(f"no answer within {mon.timeout_s}s") from None
+            raise _PollError(f"no answer within {timeout_s}s") from None
         except aiohttp.ClientError as exc:
             raise _PollError(type(exc).__name__) from None
         except OSError as exc:
@@ -496,21 +508,18 @@ class Monitor:
 
     async def _probe(self, info: BackendInfo, mon: MonitorConfig) -> None:
         generation = self._generation(info.name)
-        path = info.config.probe_path or ""
+        check = info.config.health_check
+        if check is None:
+            return
+        timeout = mon.generation_check_timeout_s if check.kind == "generation" else mon.timeout_s
         try:
-            await self._get(info, path, mon)
-            ok = True
+            await self._get(info, check.path, mon, timeout_s=timeout)
+            reason = None
         except _PollError as exc:
-            ok = False
             reason = str(exc)
 
         def update(track: _Track) -> None:
-            if track.probe_ok != ok:
-                if ok:
-                    log.info("monitor: backend %s is healthy again (%s)", info.name, path)
-                else:
-                    log.warning("monitor: backend %s failed its health probe %s: %s", info.name, path, reason)
-            track.probe_ok = ok
+            _judge(track, info.name, check, reason)
 
         if generation is not None:
             self._apply(info.name, generation, update)
@@ -577,6 +586,26 @@ class Monitor:
 
         if generation is not None:
             self._apply(info.name, generation, update)
+
+
+def _judge(track: _Track, name: str, check: HealthCheck, failure: str | None) -> None:
+    """Apply one health check's outcome (``failure`` None: it passed) to the backend's verdict."""
+    what = f"{check.kind} health check {check.path}"
+    if failure is None:
+        if not track.probe_ok:
+            log.info("monitor: backend %s is healthy again (%s passed)", name, what)
+        track.probe_ok, track.probe_failures, track.probe_passed = True, 0, True
+        return
+    track.probe_failures += 1
+    if not track.probe_ok:
+        return
+    if track.probe_failures >= check.down_after or not track.probe_passed:
+        log.warning("monitor: backend %s is down: its %s failed %d time(s) in a row: %s",
+                    name, what, track.probe_failures, failure)
+        track.probe_ok = False
+    else:
+        log.info("monitor: backend %s: its %s failed (%d of %d before it is marked down): %s",
+                 name, what, track.probe_failures, check.down_after, failure)
 
 
 def _differs_from_fresh(track: _Track) -> bool:

@@ -99,6 +99,8 @@ def test_missing_env_names_path():
         ),
         ("api_keys: [{key: k, id: x, allowed_backends: [zz]}]", "api_keys[0].allowed_backends[0]: unknown backend 'zz'"),
         ("api_keys: [{key: '  ', id: x}]", "api_keys[0].key: must not be blank"),
+        ("monitor: {generation_check_timeout_s: 0}", "monitor.generation_check_timeout_s: must be >= 0.05"),
+        ("monitor: {generation_check_timeout_s: 601}", "monitor.generation_check_timeout_s: must be <= 600.0"),
     ],
 )
 def test_rejections_name_the_field(extra, expected):

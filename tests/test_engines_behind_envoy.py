@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 CONFIG = """
 server: {admin_token: adm}
 proxy: {variant_suffixes: {enabled: true}}
-monitor: {probe_interval_s: 0.25, scrape_interval_s: 0.25, models_interval_s: 2, freshness_s: 3, max_waiting: 8}
+monitor: {probe_interval_s: 0.25, scrape_interval_s: 0.25, models_interval_s: 2, freshness_s: 3, max_waiting: 8,
+          timeout_s: 1}
 backends:
   - {name: vllm-v1, url: "demo://", type: vllm, models: [m-vllm-v1]}
   - {name: vllm-v1-dp, url: "demo://", type: vllm, models: [m-vllm-v1-dp]}
@@ -30,6 +31,8 @@ backends:
   - {name: sglang-priority, url: "demo://", type: sglang, models: [prio]}
   - {name: sglang-dp, url: "demo://", type: sglang, models: [fast]}
   - {name: sglang-tp, url: "demo://", type: sglang, models: [fast]}
+  - {name: sglang-slow, url: "demo://", type: sglang, models: [slow]}
+  - {name: vllm-slow, url: "demo://", type: vllm, models: [slow-too]}
 """
 
 # backend -> (sample page, throughput_tps, waiting, running) as /admin/backends should show them.
@@ -118,3 +121,27 @@ def test_nitro_counts_a_batch_seen_by_every_tp_rank_once(stack):
     # batch), sglang-dp 772.5 over two DP ranks: :nitro keeps the two tied at 800.
     seen = {served_by(stack.oa.chat.completions.create(model="fast:nitro", messages=[])) for _ in range(6)}
     assert seen == {"sglang", "sglang-tp"}
+
+
+def test_a_slow_generation_check_is_no_failure(stack):
+    """SGLang's /health generates a token: 1.5 s is a healthy answer, where a liveness check
+    (vLLM's, bounded by monitor.timeout_s: 1 s here) that slow fails."""
+    assert admin_backends(stack)["sglang-slow"]["health_check"] == "generation"
+    assert admin_backends(stack)["vllm-slow"]["health_check"] == "liveness"
+    for name in ("sglang-slow", "vllm-slow"):
+        set_state(stack, name, health_delay_ms=1500)
+    try:
+        first = set_state(stack, "sglang-slow")["health_checks"]
+        wait_for(lambda: not admin_backends(stack)["vllm-slow"]["healthy"], "the slow liveness check to fail")
+        # Three slow checks answered (a fourth has arrived) and the backend never failed one.
+        wait_for(lambda: set_state(stack, "sglang-slow")["health_checks"] >= first + 4, "slow checks", timeout=30)
+        view = admin_backends(stack)["sglang-slow"]
+        assert view["healthy"] and view["probe_failures"] == 0 and view["admissible"]
+        assert served_by(stack.oa.chat.completions.create(model="slow", messages=[])) == "sglang-slow"
+        log = stack.log("sidecar-0")
+        assert not [line for line in log.splitlines() if "sglang-slow" in line and "health check" in line]
+        assert "backend vllm-slow is down: its liveness health check /health failed" in log
+    finally:
+        for name in ("sglang-slow", "vllm-slow"):
+            set_state(stack, name, health_delay_ms=0)
+    wait_for(lambda: admin_backends(stack)["vllm-slow"]["healthy"], "the liveness check to pass again")

@@ -326,6 +326,42 @@ def test_active_probe_follows_engine_health(engines):
     run(main())
 
 
+def test_a_generation_check_marks_down_after_two_failures_in_a_row(engines, caplog):
+    eng = engines()
+    snap = snapshot_from(fast().replace("type: vllm", "type: sglang"), {"a": eng.url})
+    assert snap.backends["a"].config.health_check.kind == "generation"
+    caplog.set_level(logging.INFO, logger="model_router.monitor")
+
+    async def checks_arrived(n: int) -> None:
+        """Wait until the engine has seen ``n`` health checks (so the one before has been judged)."""
+        deadline = time.monotonic() + 10
+        while (await demo(eng.url))["health_checks"] < n:
+            assert time.monotonic() < deadline, f"the engine never saw {n} health checks"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        await demo(eng.url, health_fail_next=1)  # before any check passed, one failure is a verdict
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: "failed 1 time(s) in a row" in caplog.text, "down at the first check")
+            await wait_for(lambda: mon.states["a"].healthy, "healthy at the next one")
+            caplog.clear()
+            n = (await demo(eng.url, health_fail_next=1))["health_checks"]
+            await checks_arrived(n + 3)  # the failing check and a passing one were judged
+            assert mon.states["a"].healthy and mon.states["a"].probe_failures == 0
+            assert "generation health check /health failed (1 of 2 before it is marked down)" in caplog.text
+            assert "is down" not in caplog.text
+            await demo(eng.url, health_fail_next=2)
+            await wait_for(lambda: "is down: its generation health check /health failed 2 time(s)" in caplog.text,
+                           "down after two failures")
+            await wait_for(lambda: mon.states["a"].healthy and "healthy again" in caplog.text, "healthy again")
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
 def test_stopped_engine_goes_unhealthy_keeps_models_and_load_goes_stale(engines):
     eng = engines("a", ["m1"])
     freshness = 0.6
