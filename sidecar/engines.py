@@ -80,6 +80,7 @@ class EngineSpec:
     metrics_path: str = "/metrics"
     copies: frozenset[str] = frozenset()
     breakdown: str | None = None
+    metrics_hint: str | None = None  # what makes the engine publish its metrics, for the warning when it does not
 
     @property
     def series(self) -> frozenset[str]:
@@ -94,6 +95,7 @@ VLLM = EngineSpec(
     waiting="vllm:num_requests_waiting",
     running="vllm:num_requests_running",
     copies=frozenset({"pid"}),
+    metrics_hint="vLLM publishes them unless started with --disable-log-stats",
 )
 SGLANG = EngineSpec(
     name="sglang",
@@ -107,6 +109,7 @@ SGLANG = EngineSpec(
     running="sglang:num_running_reqs",
     copies=frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"}),
     breakdown="priority",
+    metrics_hint="SGLang serves them only when started with --enable-metrics",
 )
 
 ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (VLLM, SGLANG)}

@@ -37,13 +37,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal
 from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from .config import Monitor as MonitorConfig
-from .engines import ENGINES, HealthCheck, parse_engine_metrics
+from .engines import ENGINES, EngineMetrics, HealthCheck, parse_engine_metrics
+from .metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
 
@@ -66,6 +68,9 @@ MAX_RECONCILE_S = 0.5
 MAX_SLEEP_CHUNK_S = 1.0
 """Longest single sleep of a poll loop, so a shortened interval is seen promptly."""
 
+MetricsStatus = Literal["ok", "missing", "failed"]
+"""A scrape's outcome: the engine's series read; an answer (a page, or 4xx) without any; no usable answer."""
+
 # --------------------------------------------------------------------------- state
 
 
@@ -77,7 +82,9 @@ class BackendState:
     backend has no probe path or has not been checked yet); ``probe_failures``
     counts the failed checks since the last passed one. A passive hold-out is
     reported separately in ``held_out_until`` because it ends by the clock;
-    :meth:`admissible` combines both.
+    :meth:`admissible` combines both. ``engine`` names the engine whose series
+    are read (for a backend whose type names none, the one its page showed);
+    ``metrics`` is the latest scrape's :data:`MetricsStatus`.
     """
 
     name: str
@@ -86,6 +93,8 @@ class BackendState:
     held_out_until: float = 0.0
     models: tuple[str, ...] | None = None
     models_ok: bool = False
+    engine: str | None = None
+    metrics: MetricsStatus | None = None
     throughput_tps: float | None = None
     waiting: float | None = None
     running: float | None = None
@@ -177,6 +186,10 @@ def _pollable(info: BackendInfo) -> bool:
 class _PollError(Exception):
     """A poll that got no usable answer; the message is safe to log."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status of a non-2xx answer
+
 
 @dataclass
 class _Track:
@@ -191,7 +204,9 @@ class _Track:
     models: tuple[str, ...] | None = None
     models_ok: bool = False
     models_polled: bool = False
-    scrape_ok: bool = True
+    metrics: MetricsStatus | None = None  # the latest scrape's outcome; None: not scraped yet
+    missing_warned: bool = False  # the missing metrics were logged; again only after they were seen
+    engine: str | None = None
     scraped_at: float | None = None
     counter: tuple[float, float] | None = None  # (time, generation tokens) of the latest scrape
     tps: float | None = None
@@ -199,7 +214,8 @@ class _Track:
     running: float | None = None
 
     def reset_load(self) -> None:
-        self.scrape_ok = True
+        self.metrics = self.engine = None
+        self.missing_warned = False
         self.scraped_at = self.counter = self.tps = self.waiting = self.running = None
 
 
@@ -228,6 +244,7 @@ class Monitor:
         self._enabled = False
         self._states: Mapping[str, BackendState] = MappingProxyType({})
         self._discovered: dict[str, tuple[str, ...]] = {}
+        self._gauged: set[str] = set()  # backends with a METRICS_MISSING series
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
         self._supervisor: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -353,10 +370,11 @@ class Monitor:
                 if "probe" not in kinds and (not track.probe_ok or track.probe_failures):
                     track.probe_ok, track.probe_failures = True, 0
                     track.generation += 1
-                if "scrape" not in kinds and track.scraped_at is not None:
+                if "scrape" not in kinds and (track.scraped_at is not None or track.metrics is not None):
                     track.reset_load()
                     track.generation += 1
                 wanted.update((name, k) for k in kinds)
+        self._gauge({name for name, kind in wanted if kind == "scrape"})
         if not self._stopping and self._session is not None:
             for key in list(self._tasks):
                 if key not in wanted or self._tasks[key].done():
@@ -367,6 +385,14 @@ class Monitor:
                 if key not in self._tasks:
                     self._tasks[key] = asyncio.create_task(self._poll_loop(*key), name=f"monitor-{key[1]}-{key[0]}")
         self._publish(mon)
+
+    def _gauge(self, scraped: set[str]) -> None:
+        """Give every scraped backend a METRICS_MISSING series (0 until a scrape says otherwise), and no other."""
+        for name in self._gauged - scraped:
+            METRICS_MISSING.remove(name)
+        for name in scraped - self._gauged:
+            METRICS_MISSING.labels(name).set(0)
+        self._gauged = scraped
 
     def _publish(self, mon: MonitorConfig) -> None:
         """Replace the published mapping when any state differs; report model-list changes."""
@@ -404,6 +430,8 @@ class Monitor:
             held_out_until=track.held_out_until,
             models=track.models,
             models_ok=track.models_ok,
+            engine=track.engine,
+            metrics=track.metrics,
             throughput_tps=track.tps if fresh else None,
             waiting=track.waiting if fresh else None,
             running=track.running if fresh else None,
@@ -489,7 +517,7 @@ class Monitor:
                 allow_redirects=False,
             ) as resp:
                 if not 200 <= resp.status < 300:
-                    raise _PollError(f"status {resp.status}")
+                    raise _PollError(f"status {resp.status}", resp.status)
                 if resp.content_length is not None and resp.content_length > MAX_BODY_BYTES:
                     raise _PollError("body too large")
                 chunks, size = [], 0
@@ -527,32 +555,33 @@ class Monitor:
     async def _scrape(self, info: BackendInfo, mon: MonitorConfig) -> None:
         generation = self._generation(info.name)
         path = info.config.scrape_path or ""
+        engine = info.config.engine
+        metrics, missing = None, None
         try:
             body = await self._get(info, path, mon)
-            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"), info.config.engine)
+            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"), engine)
+            if metrics.engine is None:
+                missing = "the page has none of the series read"
             error = None
         except _PollError as exc:
-            metrics, error = None, str(exc)
+            error = str(exc)
+            if exc.status is not None and 400 <= exc.status < 500:
+                missing = error  # 404: SGLang or llama.cpp without their metrics flag
         at = self._clock()
 
         def update(track: _Track) -> None:
-            previous = track.counter
-            if metrics is None:
-                if track.scrape_ok:
+            found = metrics.engine if metrics is not None else None
+            track.engine = found or (engine.name if engine is not None else None)
+            if missing is not None:
+                _metrics_missing(track, info, path, missing)
+            elif metrics is None:
+                if track.metrics != "failed":
                     log.debug("monitor: metrics scrape of backend %s (%s) failed: %s", info.name, path, error)
-                track.scrape_ok = False
-                return
-            track.scrape_ok = True
-            track.tps, track.counter = None, None
-            if metrics.engine is not None and metrics.throughput is not None:
-                if ENGINES[metrics.engine].throughput.kind == "gauge":
-                    track.tps = metrics.throughput
-                else:
-                    track.counter = (at, metrics.throughput)
-                    track.tps = compute_throughput(previous, track.counter, mon.freshness_s)
-            track.waiting = metrics.waiting
-            track.running = metrics.running
-            track.scraped_at = at
+                track.metrics = "failed"
+            else:
+                _metrics_seen(track, info.name)
+            if metrics is not None:
+                _take_load(track, metrics, at, mon.freshness_s)
 
         if generation is not None:
             self._apply(info.name, generation, update)
@@ -586,6 +615,43 @@ class Monitor:
 
         if generation is not None:
             self._apply(info.name, generation, update)
+
+
+def _take_load(track: _Track, metrics: EngineMetrics, at: float, freshness_s: float) -> None:
+    """Record one page's figures; a counter's rate needs the previous scrape's value."""
+    previous, track.tps, track.counter = track.counter, None, None
+    if metrics.engine is not None and metrics.throughput is not None:
+        if ENGINES[metrics.engine].throughput.kind == "gauge":
+            track.tps = metrics.throughput
+        else:
+            track.counter = (at, metrics.throughput)
+            track.tps = compute_throughput(previous, track.counter, freshness_s)
+    track.waiting = metrics.waiting
+    track.running = metrics.running
+    track.scraped_at = at
+
+
+def _metrics_missing(track: _Track, info: BackendInfo, path: str, reason: str) -> None:
+    """A scrape answered without any series of the backend's engine: warn once, and flag it."""
+    track.metrics = "missing"
+    METRICS_MISSING.labels(info.name).set(1)
+    if track.missing_warned:
+        return
+    track.missing_warned = True
+    engine = info.config.engine
+    hint = f"; {engine.metrics_hint}" if engine is not None and engine.metrics_hint else ""
+    log.warning(
+        "monitor: backend %s shows none of the %s metrics the router reads at %s (%s), so :nitro cannot "
+        "rank it and the max_waiting gate cannot see its queue%s",
+        info.name, engine.name if engine is not None else "engine", path, reason, hint,
+    )
+
+
+def _metrics_seen(track: _Track, name: str) -> None:
+    if track.missing_warned:
+        log.info("monitor: backend %s shows its engine metrics again", name)
+    track.metrics, track.missing_warned = "ok", False
+    METRICS_MISSING.labels(name).set(0)
 
 
 def _judge(track: _Track, name: str, check: HealthCheck, failure: str | None) -> None:

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from .conftest import sidecar_metric
 from .test_engines import page
 
 pytestmark = pytest.mark.integration
@@ -32,6 +33,7 @@ backends:
   - {name: sglang-dp, url: "demo://", type: sglang, models: [fast]}
   - {name: sglang-tp, url: "demo://", type: sglang, models: [fast]}
   - {name: sglang-slow, url: "demo://", type: sglang, models: [slow]}
+  - {name: sglang-off, url: "demo://", type: sglang, models: [dark, fast]}
   - {name: vllm-slow, url: "demo://", type: vllm, models: [slow-too]}
 """
 
@@ -83,6 +85,8 @@ def stack(stack_factory):
     s = stack_factory(CONFIG)
     for name, (sample, *_) in SERVED.items():
         set_state(s, name, metrics_page=page(sample))
+    set_state(s, "sglang-slow", metrics_page=page("sglang-default"))
+    set_state(s, "sglang-off", metrics_enabled=False)  # SGLang started without --enable-metrics
     s.oa = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
     wanted = {name: tuple(expected) for name, (_, *expected) in SERVED.items()}
     # Settle: the switch from the demo engine's own page moves its counter once. The tests
@@ -97,6 +101,7 @@ def test_the_monitor_reads_each_page_as_its_engine_means_it(stack):
     for name, (_, tps, waiting, running) in SERVED.items():
         assert figures(view[name]) == (tps, waiting, running), name
         assert view[name]["healthy"] and view[name]["admissible"], name
+        assert view[name]["metrics"] == "ok" and view[name]["engine"] == name.split("-")[0], name
 
 
 def test_the_gate_counts_sglang_s_priority_total_once(stack):
@@ -119,8 +124,27 @@ def test_the_gate_counts_sglang_s_priority_total_once(stack):
 def test_nitro_counts_a_batch_seen_by_every_tp_rank_once(stack):
     # sglang and sglang-tp both generate 800 tokens/s (sglang-tp's two ranks report the same
     # batch), sglang-dp 772.5 over two DP ranks: :nitro keeps the two tied at 800.
+    # sglang-off serves fast too, but without metrics :nitro has no figure for it.
     seen = {served_by(stack.oa.chat.completions.create(model="fast:nitro", messages=[])) for _ in range(6)}
     assert seen == {"sglang", "sglang-tp"}
+
+
+def test_a_backend_without_metrics_is_warned_about_once(stack):
+    first = set_state(stack, "sglang-off")["metrics_scrapes"]
+    wait_for(lambda: set_state(stack, "sglang-off")["metrics_scrapes"] >= first + 5, "five more scrapes")
+    view = admin_backends(stack)["sglang-off"]
+    assert view["metrics"] == "missing" and view["engine"] == "sglang"
+    assert figures(view) == (None, None, None) and view["healthy"] and view["admissible"]
+    warned = [line for line in stack.log("sidecar-0").splitlines()
+              if "WARNING" in line and "backend sglang-off shows none of the sglang metrics" in line]
+    # One warning, whether its first scrape met the 404 or the demo engine's page before it.
+    assert len(warned) == 1 and "--enable-metrics" in warned[0]
+    text = stack.metrics_text()[0]
+    assert sidecar_metric(text, "model_router_backend_engine_metrics_missing", backend="sglang-off") == 1.0
+    assert sidecar_metric(text, "model_router_backend_engine_metrics_missing", backend="sglang") == 0.0
+    # It still serves; :nitro has nothing to rank it by.
+    raw = stack.oa.chat.completions.with_raw_response.create(model="dark:nitro", messages=[])
+    assert served_by(raw.parse()) == "sglang-off" and raw.headers["x-continuum-model-variant-applied"] == "false"
 
 
 def test_a_slow_generation_check_is_no_failure(stack):

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from sidecar.config import parse
+from sidecar.metrics import REGISTRY
 from sidecar.monitor import (
     BackendState,
     Monitor,
@@ -29,6 +30,8 @@ from sidecar.monitor import (
 )
 from sidecar.snapshot import build
 from sidecar.stack import free_port
+
+from .test_engines import page
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -356,6 +359,61 @@ def test_a_generation_check_marks_down_after_two_failures_in_a_row(engines, capl
             await wait_for(lambda: "is down: its generation health check /health failed 2 time(s)" in caplog.text,
                            "down after two failures")
             await wait_for(lambda: mon.states["a"].healthy and "healthy again" in caplog.text, "healthy again")
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def missing_gauge(backend: str) -> float | None:
+    return REGISTRY.get_sample_value("model_router_backend_engine_metrics_missing", {"backend": backend})
+
+
+def test_a_backend_without_its_engine_metrics_is_warned_about_once(engines, caplog):
+    sglang, vllm = engines("s"), engines("v")
+    snap = snapshot_from(
+        fast().replace("name: a, url: \"demo://\", type: vllm", "name: s, url: \"demo://\", type: sglang")
+        + '  - {name: v, url: "demo://", type: vllm}\n',
+        {"s": sglang.url, "v": vllm.url},
+    )
+    caplog.set_level(logging.INFO, logger="model_router.monitor")
+
+    def warnings(name: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and f"backend {name} shows none" in r.getMessage()]
+
+    async def scraped(url: str, more: int) -> None:
+        n = (await demo(url))["metrics_scrapes"] + more
+        deadline = time.monotonic() + 10
+        while (await demo(url))["metrics_scrapes"] < n:
+            assert time.monotonic() < deadline, f"the engine at {url} was not scraped {more} more times"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        await demo(sglang.url, metrics_enabled=False)  # SGLang without --enable-metrics: 404
+        await demo(vllm.url, metrics_page="process_cpu_seconds_total 1\n")  # vLLM with --disable-log-stats
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await scraped(sglang.url, 5)
+            await scraped(vllm.url, 5)
+            assert warnings("s") == [
+                "monitor: backend s shows none of the sglang metrics the router reads at /metrics (status 404), "
+                "so :nitro cannot rank it and the max_waiting gate cannot see its queue; "
+                "SGLang serves them only when started with --enable-metrics"
+            ]
+            assert len(warnings("v")) == 1 and "(the page has none of the series read)" in warnings("v")[0]
+            assert "--disable-log-stats" in warnings("v")[0]
+            assert mon.states["s"].metrics == mon.states["v"].metrics == "missing"
+            assert mon.states["s"].engine == "sglang" and mon.load(mon.states["v"], time.monotonic()) == (None,) * 3
+            assert missing_gauge("s") == missing_gauge("v") == 1.0
+
+            await demo(sglang.url, metrics_enabled=True, metrics_page=page("sglang-default"))
+            await wait_for(lambda: mon.states["s"].metrics == "ok", "metrics seen")
+            assert missing_gauge("s") == 0.0 and mon.states["s"].waiting == 6.0
+            assert "backend s shows its engine metrics again" in caplog.text
+            await demo(sglang.url, metrics_enabled=False)  # lost again: a new warning
+            await wait_for(lambda: len(warnings("s")) == 2, "a second warning")
         finally:
             await mon.stop()
 
