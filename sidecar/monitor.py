@@ -67,6 +67,11 @@ MAX_RECONCILE_S = 0.5
 """Longest wait before a config change (backends added/removed, monitor toggled) is seen."""
 MAX_SLEEP_CHUNK_S = 1.0
 """Longest single sleep of a poll loop, so a shortened interval is seen promptly."""
+IDLE_KEEPALIVE_S = 2.5
+"""Longest a polling connection is kept idle for reuse: half the 5 s after which vLLM's and
+SGLang's servers close an idle connection, so a poll never goes out on a socket the server
+is closing. (aiohttp also retries an idempotent request once when a reused connection
+turns out closed.)"""
 
 MetricsStatus = Literal["ok", "missing", "failed"]
 """A scrape's outcome: the engine's series read; an answer (a page, or 4xx) without any; no usable answer."""
@@ -266,7 +271,7 @@ class Monitor:
         timeout = snap.config.monitor.timeout_s if snap is not None else 2.0
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeout),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEEPALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(),
             headers={"user-agent": "model-router-monitor"},
         )

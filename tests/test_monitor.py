@@ -420,6 +420,65 @@ def test_a_backend_without_its_engine_metrics_is_warned_about_once(engines, capl
     run(main())
 
 
+class ClosingServer:
+    """An HTTP/1.1 server that, like an engine whose keep-alive timer fires as a request
+    arrives, drops a request that comes on a connection idle for ``idle_s`` or more."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.answered: list[str] = []
+        self.dropped = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        last = None
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                if last is not None and time.monotonic() - last >= self.idle_s:
+                    self.dropped += 1
+                    return
+                path = head.split(b" ", 2)[1].decode()
+                body = b'{"data": [{"id": "m"}]}' if path.startswith("/v1/models") else b'{"status": "ok"}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+                self.answered.append(path)
+                last = time.monotonic()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_polls_never_reuse_a_connection_the_engine_may_be_closing(caplog):
+    """Engines close a connection idle for 5 s; the monitor keeps one idle for at most 2.5 s.
+    The stand-in closes at 3 s and the monitor polls every 3.5 s: every poll must open a
+    new connection rather than meet a closing one."""
+    caplog.set_level(logging.INFO, logger="model_router.monitor")
+
+    async def main():
+        stub = ClosingServer(idle_s=3.0)
+        url = await stub.start()
+        snap = snapshot_from(f"""
+            monitor: {{probe_interval_s: 3.5, models_interval_s: 3.5}}
+            backends: [{{name: a, url: "{url}", health_path: /health}}]
+            """)
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: stub.answered.count("/health") >= 3, "three health checks", timeout=20)
+        finally:
+            await mon.stop()
+            stub.server.close()
+        assert stub.dropped == 0
+        assert mon.states["a"].healthy and "is down" not in caplog.text
+
+    run(main())
+
+
 def test_stopped_engine_goes_unhealthy_keeps_models_and_load_goes_stale(engines):
     eng = engines("a", ["m1"])
     freshness = 0.6
