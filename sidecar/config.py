@@ -137,7 +137,7 @@ class Envoy(_Model):
         return _listen(v)
 
 
-BackendType = Literal["openai", "vllm", "sglang", "anthropic"]
+BackendType = Literal["openai", "vllm", "sglang", "tgi", "llamacpp", "anthropic"]
 
 
 class Backend(_Model):

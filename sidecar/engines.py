@@ -29,10 +29,13 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ENGINES", "LIVENESS", "EngineMetrics", "EngineSpec", "HealthCheck", "Throughput", "parse_engine_metrics"]
+__all__ = [
+    "ENGINES", "LIVENESS", "EngineMetrics", "EngineSpec", "HealthCheck", "Throughput", "ThroughputKind",
+    "parse_engine_metrics",
+]
 
 CheckKind = Literal["liveness", "generation"]
-ThroughputKind = Literal["counter", "gauge"]
+ThroughputKind = Literal["counter", "completion_counter", "gauge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +63,11 @@ class Throughput:
     """Where an engine's generation throughput comes from.
 
     ``counter``: a token counter that moves as tokens are generated; the
-    monitor takes its rate between two fresh scrapes. ``gauge``: the engine's
-    own tokens/s figure, read as it is.
+    monitor takes its rate between two fresh scrapes. ``completion_counter``:
+    a token counter that moves only when a request finishes; the monitor takes
+    its rate over the freshness window, so one finished request is not a spike
+    between two scrapes. ``gauge``: the engine's own tokens/s figure, read as
+    it is.
     """
 
     series: str
@@ -112,7 +118,25 @@ SGLANG = EngineSpec(
     metrics_hint="SGLang serves them only when started with --enable-metrics",
 )
 
-ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (VLLM, SGLANG)}
+TGI = EngineSpec(
+    name="tgi",
+    health=LIVENESS,  # asks the shards; a one-token prefill only after a failed generation
+    # A histogram observed as each request ends: its _sum counts tokens at completion.
+    throughput=Throughput("tgi_request_generated_tokens_sum", "completion_counter"),
+    waiting="tgi_queue_size",
+    running="tgi_batch_current_size",
+)
+LLAMACPP = EngineSpec(
+    name="llamacpp",
+    health=LIVENESS,  # 503 while the model loads
+    # Bumped by a request's tokens when it completes.
+    throughput=Throughput("llamacpp:tokens_predicted_total", "completion_counter"),
+    waiting="llamacpp:requests_deferred",
+    running="llamacpp:requests_processing",
+    metrics_hint="llama-server serves them only when started with --metrics",
+)
+
+ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (VLLM, SGLANG, TGI, LLAMACPP)}
 """Engine specs by backend ``type``; a type not listed here has no spec."""
 
 

@@ -44,7 +44,7 @@ import aiohttp
 import orjson
 
 from .config import Monitor as MonitorConfig
-from .engines import ENGINES, EngineMetrics, HealthCheck, parse_engine_metrics
+from .engines import ENGINES, EngineMetrics, HealthCheck, ThroughputKind, parse_engine_metrics
 from .metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
@@ -54,6 +54,7 @@ __all__ = [
     "BackendState",
     "Monitor",
     "compute_throughput",
+    "counter_throughput",
     "parse_models",
 ]
 
@@ -139,6 +140,30 @@ def compute_throughput(
     return (c1 - c0) / dt
 
 
+Reading = tuple[float, float]  # (time, token counter) of one scrape
+
+
+def counter_throughput(
+    kind: ThroughputKind, history: tuple[Reading, ...], current: Reading, freshness_s: float
+) -> tuple[float | None, tuple[Reading, ...]]:
+    """Tokens/s of a token counter at ``current``, and the readings to keep for the next scrape.
+
+    ``counter`` (it moves as tokens are generated): the rate since the
+    previous scrape. ``completion_counter`` (it moves when a request
+    finishes): the rate since the oldest reading at most ``freshness_s``
+    older. A counter below the latest reading (an engine restart) starts over
+    and states nothing until the next scrape.
+    """
+    if history and current[1] < history[-1][1]:
+        history = ()
+    if kind == "completion_counter":
+        history = tuple(r for r in history if current[0] - r[0] <= freshness_s)
+        kept = (*history, current)
+    else:
+        history, kept = history[-1:], (current,)
+    return compute_throughput(history[0] if history else None, current, freshness_s), kept
+
+
 def _check_model_id(value: object) -> str | None:
     if not isinstance(value, str) or not value or len(value) > 256:
         return None
@@ -213,7 +238,7 @@ class _Track:
     missing_warned: bool = False  # the missing metrics were logged; again only after they were seen
     engine: str | None = None
     scraped_at: float | None = None
-    counter: tuple[float, float] | None = None  # (time, generation tokens) of the latest scrape
+    readings: tuple[Reading, ...] = ()  # the token counter's recent readings, oldest first
     tps: float | None = None
     waiting: float | None = None
     running: float | None = None
@@ -221,7 +246,8 @@ class _Track:
     def reset_load(self) -> None:
         self.metrics = self.engine = None
         self.missing_warned = False
-        self.scraped_at = self.counter = self.tps = self.waiting = self.running = None
+        self.readings = ()
+        self.scraped_at = self.tps = self.waiting = self.running = None
 
 
 class Monitor:
@@ -623,14 +649,14 @@ class Monitor:
 
 
 def _take_load(track: _Track, metrics: EngineMetrics, at: float, freshness_s: float) -> None:
-    """Record one page's figures; a counter's rate needs the previous scrape's value."""
-    previous, track.tps, track.counter = track.counter, None, None
+    """Record one page's figures; a counter's rate needs the earlier scrapes' readings."""
+    readings, track.tps, track.readings = track.readings, None, ()
     if metrics.engine is not None and metrics.throughput is not None:
-        if ENGINES[metrics.engine].throughput.kind == "gauge":
+        kind = ENGINES[metrics.engine].throughput.kind
+        if kind == "gauge":
             track.tps = metrics.throughput
         else:
-            track.counter = (at, metrics.throughput)
-            track.tps = compute_throughput(previous, track.counter, freshness_s)
+            track.tps, track.readings = counter_throughput(kind, readings, (at, metrics.throughput), freshness_s)
     track.waiting = metrics.waiting
     track.running = metrics.running
     track.scraped_at = at

@@ -120,6 +120,27 @@ backends:
     assert "backends[2].name: must be 1 to 64 of A-Z a-z 0-9 . _ - (got 'bad/name')" in errs
 
 
+def test_engine_types_probe_and_scrape_by_their_engine():
+    cfg = parse("""
+backends:
+  - {name: v, url: 'http://127.0.0.1:1', type: vllm}
+  - {name: s, url: 'http://127.0.0.1:2', type: sglang, health_path: /health_generate}
+  - {name: t, url: 'http://127.0.0.1:3', type: tgi, metrics_path: ''}
+  - {name: l, url: 'http://127.0.0.1:4', type: llamacpp}
+  - {name: o, url: 'http://127.0.0.1:5', type: openai}
+""", env={}).config
+    v, s, t, lc, o = cfg.backends
+    assert [(b.probe_path, b.scrape_path) for b in cfg.backends] == [
+        ("/health", "/metrics"), ("/health_generate", "/metrics"), ("/health", None), ("/health", "/metrics"),
+        (None, None),
+    ]
+    assert s.health_check.kind == "generation" and s.health_check.path == "/health_generate"
+    assert lc.engine.name == "llamacpp" and lc.family == "openai" and o.engine is None and o.health_check is None
+    assert errors_of("backends: [{name: x, url: 'http://x', type: ollama}]") == [
+        "backends[0].type: must be one of 'openai', 'vllm', 'sglang', 'tgi', 'llamacpp' or 'anthropic'"
+    ]
+
+
 def test_duplicate_backend_and_control_characters():
     errs = errors_of("backends: [{name: a, url: 'http://x'}, {name: a, url: 'http://y', models: [\"bad\\x01\"]}]")
     assert any(e.startswith("backends[1].models") and "control characters" in e for e in errs)

@@ -24,6 +24,8 @@ EXPECTED = {
     "sglang-priority-buckets": ("sglang", 800.0, 6.0, 9.0),  # the priority="" total, not total + buckets
     "sglang-dp": ("sglang", 772.5, 5.0, None),  # dp_rank="0","1" add up
     "sglang-tp-all-schedulers": ("sglang", 800.0, 6.0, None),  # one batch seen by two TP ranks counts once
+    "tgi": ("tgi", 51234.0, 4.0, 12.0),  # tokens: the _sum of a histogram observed as requests end
+    "llamacpp": ("llamacpp", 6789.0, 1.0, 3.0),  # the counter, not the per-request speed gauge
 }
 
 
@@ -39,6 +41,17 @@ def test_sample_pages_read_as_their_engine(name):
 def test_a_page_of_another_engine_gives_nothing():
     assert parse_engine_metrics(page("sglang-default"), ENGINES["vllm"]) == EngineMetrics()
     assert parse_engine_metrics(page("vllm-v1"), ENGINES["sglang"]) == EngineMetrics()
+    assert parse_engine_metrics(page("llamacpp"), ENGINES["tgi"]) == EngineMetrics()
+
+
+def test_each_type_has_its_health_check_and_counter_kind():
+    rules = {name: (e.health.kind, e.health.down_after, e.throughput.kind) for name, e in ENGINES.items()}
+    assert rules == {
+        "vllm": ("liveness", 1, "counter"),
+        "sglang": ("generation", 2, "gauge"),
+        "tgi": ("liveness", 1, "completion_counter"),
+        "llamacpp": ("liveness", 1, "completion_counter"),
+    }
 
 
 def test_a_breakdown_without_its_total_is_summed():

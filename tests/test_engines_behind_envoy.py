@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 CONFIG = """
 server: {admin_token: adm}
 proxy: {variant_suffixes: {enabled: true}}
-monitor: {probe_interval_s: 0.25, scrape_interval_s: 0.25, models_interval_s: 2, freshness_s: 3, max_waiting: 8,
+monitor: {probe_interval_s: 0.25, scrape_interval_s: 0.25, models_interval_s: 2, freshness_s: 6, max_waiting: 8,
           timeout_s: 1}
 backends:
   - {name: vllm-v1, url: "demo://", type: vllm, models: [m-vllm-v1]}
@@ -32,6 +32,8 @@ backends:
   - {name: sglang-priority, url: "demo://", type: sglang, models: [prio]}
   - {name: sglang-dp, url: "demo://", type: sglang, models: [fast]}
   - {name: sglang-tp, url: "demo://", type: sglang, models: [fast]}
+  - {name: tgi, url: "demo://", type: tgi, models: [local]}
+  - {name: llamacpp, url: "demo://", type: llamacpp, models: [local]}
   - {name: sglang-slow, url: "demo://", type: sglang, models: [slow]}
   - {name: sglang-off, url: "demo://", type: sglang, models: [dark, fast]}
   - {name: vllm-slow, url: "demo://", type: vllm, models: [slow-too]}
@@ -47,6 +49,8 @@ SERVED = {
     "sglang-priority": ("sglang-priority-buckets", 800.0, 6.0, 9.0),
     "sglang-dp": ("sglang-dp", 772.5, 5.0, None),
     "sglang-tp": ("sglang-tp-all-schedulers", 800.0, 6.0, None),
+    "tgi": ("tgi", 0.0, 4.0, 12.0),
+    "llamacpp": ("llamacpp", 0.0, 1.0, 3.0),
 }
 
 
@@ -127,6 +131,24 @@ def test_nitro_counts_a_batch_seen_by_every_tp_rank_once(stack):
     # sglang-off serves fast too, but without metrics :nitro has no figure for it.
     seen = {served_by(stack.oa.chat.completions.create(model="fast:nitro", messages=[])) for _ in range(6)}
     assert seen == {"sglang", "sglang-tp"}
+
+
+def test_a_finished_request_counts_for_nitro_over_the_freshness_window(stack):
+    """TGI and llama.cpp count a request's tokens when it finishes: 6000 tokens counted at once
+    rate llamacpp above tgi for the freshness window (6 s here), not for one scrape interval."""
+    seen = {served_by(stack.oa.chat.completions.create(model="local:nitro", messages=[])) for _ in range(6)}
+    assert seen == {"tgi", "llamacpp"}  # both rated 0 tokens/s: a tie
+    finished = page("llamacpp").replace("llamacpp:tokens_predicted_total 6789", "llamacpp:tokens_predicted_total 12789")
+    set_state(stack, "llamacpp", metrics_page=finished)
+    try:
+        wait_for(lambda: admin_backends(stack)["llamacpp"]["throughput_tps"], "the finished request to count")
+        later = set_state(stack, "llamacpp")["metrics_scrapes"] + 3
+        wait_for(lambda: set_state(stack, "llamacpp")["metrics_scrapes"] >= later, "three more scrapes")
+        assert admin_backends(stack)["llamacpp"]["throughput_tps"] > 0
+        seen = {served_by(stack.oa.chat.completions.create(model="local:nitro", messages=[])) for _ in range(4)}
+        assert seen == {"llamacpp"}
+    finally:
+        set_state(stack, "llamacpp", metrics_page=page("llamacpp"))
 
 
 def test_a_backend_without_metrics_is_warned_about_once(stack):
