@@ -3,8 +3,9 @@
 One table, :data:`ENGINES`, keyed by backend ``type``, says for each engine
 what its health check is (:class:`HealthCheck`), where its metrics live, which
 series carry its generation throughput and its waiting and running requests,
-and which labels on those series must not be summed. :func:`parse_engine_metrics` turns a page into one
-figure per series under these rules, applied in this order:
+and which labels on those series must not be summed.
+:func:`parse_engine_metrics` turns a page into one figure per series under
+these rules, applied in this order:
 
 * ``breakdown``: a label whose empty value carries a total beside one series
   per value (SGLang's ``priority``). Where the total is on the page, the
@@ -18,6 +19,8 @@ figure per series under these rules, applied in this order:
   SGLang's ``dp_rank``) each carry their own share of the backend's load.
 
 Non-finite values and lines that are not Prometheus text are ignored.
+:func:`counter_throughput` turns a token counter's readings into tokens/s as
+its :class:`Throughput` kind says.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from typing import Literal
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
-    "ENGINES", "LIVENESS", "EngineMetrics", "EngineSpec", "HealthCheck", "Throughput", "ThroughputKind",
-    "parse_engine_metrics",
+    "ENGINES", "LIVENESS", "EngineMetrics", "EngineSpec", "HealthCheck", "Reading", "Throughput", "ThroughputKind",
+    "compute_throughput", "counter_throughput", "parse_engine_metrics",
 ]
 
 CheckKind = Literal["liveness", "generation"]
@@ -241,3 +244,43 @@ def _read(samples: list[_Sample], spec: EngineSpec) -> EngineMetrics:
         return _combine((s for s in samples if s.name == series), spec)
 
     return EngineMetrics(spec.name, figure(spec.throughput.series), figure(spec.waiting), figure(spec.running))
+
+
+Reading = tuple[float, float]  # (time, token counter) of one scrape
+
+
+def compute_throughput(previous: Reading | None, current: Reading, freshness_s: float) -> float | None:
+    """Tokens/s between two successful scrapes, each given as ``(time, counter)``.
+
+    None when there is no previous scrape, the two are more than
+    ``freshness_s`` apart (or not in time order), or the counter went
+    backwards (an engine restart: the next pair makes the statement).
+    """
+    if previous is None:
+        return None
+    (t0, c0), (t1, c1) = previous, current
+    dt = t1 - t0
+    if dt <= 0 or dt > freshness_s or c1 < c0:
+        return None
+    return (c1 - c0) / dt
+
+
+def counter_throughput(
+    kind: ThroughputKind, history: tuple[Reading, ...], current: Reading, freshness_s: float
+) -> tuple[float | None, tuple[Reading, ...]]:
+    """Tokens/s of a token counter at ``current``, and the readings to keep for the next scrape.
+
+    ``counter`` (it moves as tokens are generated): the rate since the
+    previous scrape. ``completion_counter`` (it moves when a request
+    finishes): the rate since the oldest reading at most ``freshness_s``
+    older. A counter below the latest reading (an engine restart) starts over
+    and states nothing until the next scrape.
+    """
+    if history and current[1] < history[-1][1]:
+        history = ()
+    if kind == "completion_counter":
+        history = tuple(r for r in history if current[0] - r[0] <= freshness_s)
+        kept = (*history, current)
+    else:
+        history, kept = history[-1:], (current,)
+    return compute_throughput(history[0] if history else None, current, freshness_s), kept

@@ -44,7 +44,7 @@ import aiohttp
 import orjson
 
 from .config import Monitor as MonitorConfig
-from .engines import ENGINES, EngineMetrics, HealthCheck, ThroughputKind, parse_engine_metrics
+from .engines import ENGINES, EngineMetrics, HealthCheck, Reading, counter_throughput, parse_engine_metrics
 from .metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
@@ -53,8 +53,6 @@ __all__ = [
     "ANTHROPIC_VERSION",
     "BackendState",
     "Monitor",
-    "compute_throughput",
-    "counter_throughput",
     "parse_models",
 ]
 
@@ -120,48 +118,6 @@ class BackendState:
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def compute_throughput(
-    previous: tuple[float, float] | None, current: tuple[float, float], freshness_s: float
-) -> float | None:
-    """Tokens/s between two successful scrapes, each given as ``(time, counter)``.
-
-    None when there is no previous scrape, the two are more than
-    ``freshness_s`` apart (or not in time order), or the counter went
-    backwards (an engine restart: the next pair makes the statement).
-    """
-    if previous is None:
-        return None
-    (t0, c0), (t1, c1) = previous, current
-    dt = t1 - t0
-    if dt <= 0 or dt > freshness_s or c1 < c0:
-        return None
-    return (c1 - c0) / dt
-
-
-Reading = tuple[float, float]  # (time, token counter) of one scrape
-
-
-def counter_throughput(
-    kind: ThroughputKind, history: tuple[Reading, ...], current: Reading, freshness_s: float
-) -> tuple[float | None, tuple[Reading, ...]]:
-    """Tokens/s of a token counter at ``current``, and the readings to keep for the next scrape.
-
-    ``counter`` (it moves as tokens are generated): the rate since the
-    previous scrape. ``completion_counter`` (it moves when a request
-    finishes): the rate since the oldest reading at most ``freshness_s``
-    older. A counter below the latest reading (an engine restart) starts over
-    and states nothing until the next scrape.
-    """
-    if history and current[1] < history[-1][1]:
-        history = ()
-    if kind == "completion_counter":
-        history = tuple(r for r in history if current[0] - r[0] <= freshness_s)
-        kept = (*history, current)
-    else:
-        history, kept = history[-1:], (current,)
-    return compute_throughput(history[0] if history else None, current, freshness_s), kept
 
 
 def _check_model_id(value: object) -> str | None:

@@ -1,4 +1,4 @@
-"""Engine specs and the metrics parser, on sample pages built from each engine's metric definitions."""
+"""Engine specs, the metrics parser on sample pages built from each engine's metric definitions, and the throughput rules."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.engines import ENGINES, EngineMetrics, parse_engine_metrics
+from sidecar.engines import ENGINES, EngineMetrics, compute_throughput, counter_throughput, parse_engine_metrics
 
 PAGES = Path(__file__).resolve().parent / "data" / "engines"
 
@@ -110,3 +110,41 @@ def test_malformed_lines_and_non_finite_values_are_ignored():
         'vllm:generation_tokens_total{model_name="a"} 7 1700000000000\n'
     )
     assert parse_engine_metrics(text, ENGINES["vllm"]) == EngineMetrics("vllm", 7.0, 3.0, None)
+
+
+# --------------------------------------------------------------------------- throughput rule
+
+
+def test_throughput_fresh_pair():
+    assert compute_throughput((10.0, 100.0), (12.0, 300.0), freshness_s=5) == pytest.approx(100.0)
+    assert compute_throughput((10.0, 100.0), (12.0, 100.0), freshness_s=5) == 0.0
+
+
+def test_throughput_needs_a_previous_scrape_and_time_order():
+    assert compute_throughput(None, (12.0, 300.0), freshness_s=5) is None
+    assert compute_throughput((12.0, 100.0), (12.0, 300.0), freshness_s=5) is None
+    assert compute_throughput((13.0, 100.0), (12.0, 300.0), freshness_s=5) is None
+
+
+def test_throughput_stale_pair_makes_no_statement():
+    assert compute_throughput((10.0, 100.0), (15.0, 300.0), freshness_s=5) == pytest.approx(40.0)
+    assert compute_throughput((10.0, 100.0), (15.5, 300.0), freshness_s=5) is None
+
+
+def test_a_completion_counter_is_rated_over_the_freshness_window():
+    # Readings every 2 s; 800 tokens counted when a request finished at t=10.
+    history = ((2.0, 0.0), (4.0, 0.0), (6.0, 0.0), (8.0, 0.0))
+    tps, kept = counter_throughput("completion_counter", history, (10.0, 800.0), freshness_s=7)
+    assert tps == pytest.approx(800 / 6) and kept == ((4.0, 0.0), (6.0, 0.0), (8.0, 0.0), (10.0, 800.0))
+    # Two seconds later nothing more finished: still 800 over the window, not a rate of 0.
+    tps, kept = counter_throughput("completion_counter", kept, (12.0, 800.0), freshness_s=7)
+    assert tps == pytest.approx(800 / 6) and kept[0] == (6.0, 0.0)
+    # A counter that moves with generation is rated between two scrapes.
+    assert counter_throughput("counter", kept, (14.0, 1000.0), freshness_s=7) == (100.0, ((14.0, 1000.0),))
+    # A restart starts over.
+    assert counter_throughput("completion_counter", kept, (14.0, 10.0), freshness_s=7) == (None, ((14.0, 10.0),))
+
+
+def test_throughput_counter_reset_waits_for_the_next_pair():
+    assert compute_throughput((10.0, 5000.0), (12.0, 40.0), freshness_s=5) is None
+    assert compute_throughput((12.0, 40.0), (14.0, 140.0), freshness_s=5) == pytest.approx(50.0)
