@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -30,6 +30,8 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+
+from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
 
 # Matched against the whole string (fullmatch): "$" alone would accept a
 # trailing newline, which a YAML block scalar adds silently.
@@ -149,7 +151,7 @@ class Envoy(_Model):
         return _listen(v)
 
 
-BackendType = Literal["openai", "vllm", "sglang", "anthropic"]
+BackendType = Literal["openai", "vllm", "sglang", "tgi", "llamacpp", "anthropic"]
 
 
 class Backend(_Model):
@@ -191,18 +193,35 @@ class Backend(_Model):
         return v
 
     @property
+    def engine(self) -> EngineSpec | None:
+        """The engine this backend's type names; None: a hosted API, or any engine its metrics page shows."""
+        return ENGINES.get(self.type)
+
+    @property
     def probe_path(self) -> str | None:
         """Active health probe path; hosted APIs are judged passively only."""
         if self.health_path is not None:
             return self.health_path or None
-        return "/health" if self.type in ("vllm", "sglang") or self.is_demo else None
+        if self.engine is not None:
+            return self.engine.health.path
+        return LIVENESS.path if self.is_demo else None
+
+    @property
+    def health_check(self) -> HealthCheck | None:
+        """The active health check: the engine's rule on :attr:`probe_path`; None without a probe path."""
+        path = self.probe_path
+        if path is None:
+            return None
+        return replace(self.engine.health if self.engine is not None else LIVENESS, path=path)
 
     @property
     def scrape_path(self) -> str | None:
-        """Prometheus engine metrics path (vLLM / SGLang)."""
+        """Prometheus engine metrics path (the demo engine serves one too)."""
         if self.metrics_path is not None:
             return self.metrics_path or None
-        return "/metrics" if self.type in ("vllm", "sglang") or self.is_demo else None
+        if self.engine is not None:
+            return self.engine.metrics_path
+        return "/metrics" if self.is_demo else None
 
     @property
     def is_demo(self) -> bool:
@@ -309,6 +328,9 @@ class Monitor(_Model):
     # A metrics snapshot older than this makes no statement (no :nitro ranking).
     freshness_s: Annotated[float, Field(ge=0.1, le=3600)] = 10.0
     timeout_s: Annotated[float, Field(ge=0.05, le=60)] = 2.0
+    # A health check that generates a token (SGLang's /health) answers in a
+    # second when idle and up to the engine's own limit (20 s) under load.
+    generation_check_timeout_s: Annotated[float, Field(ge=0.05, le=600)] = 25.0
     # A backend that answered 5xx or reset is held out this long (0: never).
     # Read from Envoy's access log, so it costs the request path nothing.
     passive_holdout_s: Annotated[float, Field(ge=0, le=3600)] = 10.0

@@ -7,13 +7,24 @@ counts are simple word counts, and nothing sleeps unless a request asks for it.
 
 Served routes:
 
-* ``GET /health``, ``GET /metrics`` (vLLM metric names), ``GET /v1/models``,
-  ``GET /v1/models/{model}``
+* ``GET /health``, ``GET /metrics`` (vLLM metric names, or a page set through
+  ``/_demo/state``), ``GET /v1/models``, ``GET /v1/models/{model}``
 * OpenAI: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
   ``/v1/responses``, ``/v1/images/generations``, ``/v1/images/edits``
 * Anthropic: ``POST /v1/messages``, ``/v1/messages/count_tokens``
 * Test hooks under ``/_demo/``: ``GET``/``DELETE /_demo/requests`` and
   ``POST /_demo/state``.
+
+``POST /_demo/state`` takes a JSON object with any of: ``waiting``, ``running``
+and ``extra_generation_tokens`` (the vLLM-shaped gauges and counter),
+``healthy``; ``metrics_page`` (Prometheus text served verbatim on ``/metrics``
+in place of the vLLM-shaped page, so the engine can stand in for another
+engine; null restores it), ``metrics_enabled`` (false: ``/metrics`` answers
+404, as SGLang does without ``--enable-metrics``), ``health_delay_ms`` (every
+``/health`` answers after this long, as SGLang's generation check does) and
+``health_fail_next`` (the next ``n`` ``/health`` checks answer 503). It answers
+the resulting state, with ``health_checks`` and ``metrics_scrapes``: how many
+``/health`` and ``/metrics`` requests arrived so far.
 
 Request headers that shape a reply on any ``/v1/`` route:
 
@@ -120,6 +131,12 @@ class _State:
     in_flight: int = 0
     generation_tokens: int = 0
     healthy: bool = True
+    metrics_page: str | None = None  # served verbatim on /metrics when set
+    metrics_enabled: bool = True
+    health_delay_ms: int = 0
+    health_fail_next: int = 0
+    health_checks: int = 0
+    metrics_scrapes: int = 0
     seq: itertools.count = field(default_factory=lambda: itertools.count(1))
 
 
@@ -483,6 +500,12 @@ class _Engine:
     # ------------------------------------------------------------- basic routes
 
     async def health(self, request: web.Request) -> web.Response:
+        self.state.health_checks += 1
+        if self.state.health_delay_ms:
+            await asyncio.sleep(self.state.health_delay_ms / 1000)
+        if self.state.health_fail_next:
+            self.state.health_fail_next -= 1
+            return _json_response({"status": "unhealthy"}, status=503)
         if not self.state.healthy:
             return _json_response({"status": "unhealthy"}, status=503)
         return _json_response({"status": "ok"})
@@ -501,6 +524,11 @@ class _Engine:
         return _json_response(self.model_object(model))
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.state.metrics_scrapes += 1
+        if not self.state.metrics_enabled:
+            return _json_response({"detail": "Not Found"}, status=404)
+        if self.state.metrics_page is not None:
+            return web.Response(body=self.state.metrics_page.encode(), headers={"Content-Type": _METRICS_CONTENT_TYPE})
         label = _escape_label(self.models[0] if self.models else self.name)
         running = self.state.running + self.state.in_flight
         lines = [
@@ -533,6 +561,12 @@ class _Engine:
             "running": self.state.running,
             "generation_tokens": self.state.generation_tokens,
             "healthy": self.state.healthy,
+            "metrics_page": self.state.metrics_page,
+            "metrics_enabled": self.state.metrics_enabled,
+            "health_delay_ms": self.state.health_delay_ms,
+            "health_fail_next": self.state.health_fail_next,
+            "health_checks": self.state.health_checks,
+            "metrics_scrapes": self.state.metrics_scrapes,
         }
 
     async def set_state(self, request: web.Request) -> web.Response:
@@ -542,19 +576,20 @@ class _Engine:
             return self.openai_error(400, "state body is not valid JSON")
         if not isinstance(body, dict):
             return self.openai_error(400, "state body must be a JSON object")
-        for key in ("waiting", "running", "extra_generation_tokens"):
+        for key in ("waiting", "running", "extra_generation_tokens", "health_delay_ms", "health_fail_next"):
             if key in body and (isinstance(body[key], bool) or not isinstance(body[key], int) or body[key] < 0):
                 return self.openai_error(400, f"{key} must be a non-negative integer", param=key)
-        if "healthy" in body and not isinstance(body["healthy"], bool):
-            return self.openai_error(400, "healthy must be a boolean", param="healthy")
-        if "waiting" in body:
-            self.state.waiting = body["waiting"]
-        if "running" in body:
-            self.state.running = body["running"]
+        for key in ("healthy", "metrics_enabled"):
+            if key in body and not isinstance(body[key], bool):
+                return self.openai_error(400, f"{key} must be a boolean", param=key)
+        if "metrics_page" in body and not isinstance(body["metrics_page"], (str, type(None))):
+            return self.openai_error(400, "metrics_page must be a string or null", param="metrics_page")
         if "extra_generation_tokens" in body:
             self.state.generation_tokens += body["extra_generation_tokens"]
-        if "healthy" in body:
-            self.state.healthy = body["healthy"]
+        for key in ("waiting", "running", "healthy", "metrics_page", "metrics_enabled", "health_delay_ms",
+                    "health_fail_next"):
+            if key in body:
+                setattr(self.state, key, body[key])
         return _json_response(self.state_view())
 
     # ------------------------------------------------------------------ OpenAI

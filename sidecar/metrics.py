@@ -109,6 +109,14 @@ FALLBACKS = Counter(
     registry=REGISTRY,
 )
 
+BACKEND_METRICS_MISSING = Gauge(
+    "model_router_backend_engine_metrics_missing",
+    "1 while a scraped backend answers its metrics path without any series of its engine (SGLang without "
+    "--enable-metrics answers 404): :nitro cannot rank it and max_waiting cannot gate it. Set by the monitor.",
+    ["backend"],
+    registry=REGISTRY,
+)
+
 ACCESS_LOG_ENTRIES = Counter(
     "model_router_access_log_entries_total",
     "Per-request access-log entries received from Envoy (compare with Envoy's own count to see loss).",

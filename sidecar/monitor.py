@@ -3,10 +3,13 @@
 The monitor runs asyncio tasks inside the sidecar process. For every enabled
 backend it independently
 
-* probes ``<origin><base_path><probe_path>`` (2xx: healthy; anything else,
-  an error or a timeout: unhealthy), when the backend has a probe path;
-* scrapes ``<origin><base_path><scrape_path>`` (Prometheus text) for vLLM or
-  SGLang load figures, when the backend has a scrape path;
+* checks health at ``<origin><base_path><probe_path>`` when the backend has a
+  probe path (2xx: a passed check; anything else, an error or a timeout: a
+  failed one). The engine's :class:`~sidecar.engines.HealthCheck` says how
+  long a check may take and how many failures in a row mark the backend down;
+* scrapes ``<origin><base_path><scrape_path>`` (Prometheus text) for the load
+  figures of the backend's engine (:mod:`sidecar.engines`), when the backend
+  has a scrape path;
 * lists ``<origin><base_path>/v1/models`` with the backend's credentials.
 
 ``origin`` is the scheme and authority of the backend's effective URL; the
@@ -29,29 +32,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal
 from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from .config import Monitor as MonitorConfig
+from .engines import ENGINES, EngineMetrics, HealthCheck, Reading, counter_throughput, parse_engine_metrics
+from .metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
 
 __all__ = [
     "ANTHROPIC_VERSION",
     "BackendState",
-    "EngineMetrics",
     "Monitor",
-    "compute_throughput",
-    "parse_engine_metrics",
     "parse_models",
 ]
 
@@ -65,20 +66,14 @@ MAX_RECONCILE_S = 0.5
 """Longest wait before a config change (backends added/removed, monitor toggled) is seen."""
 MAX_SLEEP_CHUNK_S = 1.0
 """Longest single sleep of a poll loop, so a shortened interval is seen promptly."""
+IDLE_KEEPALIVE_S = 2.5
+"""Longest a polling connection is kept idle for reuse: half the 5 s after which vLLM's and
+SGLang's servers close an idle connection, so a poll never goes out on a socket the server
+is closing. (aiohttp also retries an idempotent request once when a reused connection
+turns out closed.)"""
 
-VLLM_GENERATION_TOKENS = "vllm:generation_tokens_total"
-VLLM_WAITING = "vllm:num_requests_waiting"
-VLLM_RUNNING = "vllm:num_requests_running"
-SGLANG_THROUGHPUT = "sglang:gen_throughput"
-SGLANG_WAITING = "sglang:num_queue_reqs"
-SGLANG_RUNNING = "sglang:num_running_reqs"
-_WANTED = frozenset(
-    {VLLM_GENERATION_TOKENS, VLLM_WAITING, VLLM_RUNNING, SGLANG_THROUGHPUT, SGLANG_WAITING, SGLANG_RUNNING}
-)
-# Family names a HELP/TYPE line may use for the wanted samples (a counter's
-# family may be declared without its ``_total`` suffix).
-_WANTED_FAMILIES = _WANTED | {VLLM_GENERATION_TOKENS[: -len("_total")]}
-
+MetricsStatus = Literal["ok", "missing", "failed"]
+"""A scrape's outcome: the engine's series read; an answer (a page, or 4xx) without any; no usable answer."""
 
 # --------------------------------------------------------------------------- state
 
@@ -87,17 +82,23 @@ _WANTED_FAMILIES = _WANTED | {VLLM_GENERATION_TOKENS[: -len("_total")]}
 class BackendState:
     """What the monitor knows about one backend, as of one publication.
 
-    ``healthy`` is the result of the last active probe (True when the backend
-    has no probe path or has not been probed yet). A passive hold-out is
+    ``healthy`` is the verdict of the active health checks (True when the
+    backend has no probe path or has not been checked yet); ``probe_failures``
+    counts the failed checks since the last passed one. A passive hold-out is
     reported separately in ``held_out_until`` because it ends by the clock;
-    :meth:`admissible` combines both.
+    :meth:`admissible` combines both. ``engine`` names the engine whose series
+    are read (for a backend whose type names none, the one its page showed);
+    ``metrics`` is the latest scrape's :data:`MetricsStatus`.
     """
 
     name: str
     healthy: bool = True
+    probe_failures: int = 0
     held_out_until: float = 0.0
     models: tuple[str, ...] | None = None
     models_ok: bool = False
+    engine: str | None = None
+    metrics: MetricsStatus | None = None
     throughput_tps: float | None = None
     waiting: float | None = None
     running: float | None = None
@@ -117,116 +118,6 @@ class BackendState:
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    """Load figures read from one metrics page; None where the page lacks the metric.
-
-    Values of several label sets (models, data-parallel ranks) are summed.
-    """
-
-    generation_tokens_total: float | None = None
-    waiting: float | None = None
-    running: float | None = None
-    gen_throughput: float | None = None
-
-
-def _sample_name(line: str) -> str:
-    end = len(line)
-    for stop in ("{", " ", "\t"):
-        i = line.find(stop)
-        if 0 <= i < end:
-            end = i
-    return line[:end]
-
-
-def _relevant_lines(text: str) -> list[str]:
-    """The sample lines of the wanted metrics, plus their HELP/TYPE lines."""
-    out = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED_FAMILIES:
-                out.append(line)
-            continue
-        if _sample_name(line) in _WANTED:
-            out.append(line)
-    return out
-
-
-def _parse(text: str) -> list[tuple[str, float]]:
-    return [(s.name, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def _samples(lines: list[str]) -> list[tuple[str, float]]:
-    """(sample name, value) pairs parsed by prometheus_client, skipping lines it rejects."""
-    try:
-        return _parse("\n".join(lines) + "\n")
-    except ValueError:
-        pass
-    # One malformed line spoils a whole-page parse; parse line by line instead.
-    out: list[tuple[str, float]] = []
-    for line in lines:
-        if line.startswith("#"):
-            continue
-        try:
-            out.extend(_parse(line + "\n"))
-        except ValueError:
-            continue
-    return out
-
-
-def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Read vLLM / SGLang load figures from Prometheus text.
-
-    vLLM: ``vllm:generation_tokens_total`` (counter), ``vllm:num_requests_waiting``
-    and ``vllm:num_requests_running`` (gauges). SGLang: ``sglang:gen_throughput``
-    (tokens/s), ``sglang:num_queue_reqs`` (waiting) and ``sglang:num_running_reqs``
-    (running). Each is summed over its label sets; non-finite values and
-    malformed lines are ignored. When a page carries both namings, the vLLM
-    queue figures win.
-    """
-    sums: dict[str, float] = {}
-    lines = _relevant_lines(text)
-    if lines:
-        for name, value in _samples(lines):
-            if name in _WANTED and isinstance(value, (int, float)) and math.isfinite(value):
-                sums[name] = sums.get(name, 0.0) + float(value)
-
-    def first(*names: str) -> float | None:
-        for n in names:
-            if n in sums:
-                return sums[n]
-        return None
-
-    return EngineMetrics(
-        generation_tokens_total=sums.get(VLLM_GENERATION_TOKENS),
-        waiting=first(VLLM_WAITING, SGLANG_WAITING),
-        running=first(VLLM_RUNNING, SGLANG_RUNNING),
-        gen_throughput=sums.get(SGLANG_THROUGHPUT),
-    )
-
-
-def compute_throughput(
-    previous: tuple[float, float] | None, current: tuple[float, float], freshness_s: float
-) -> float | None:
-    """Tokens/s between two successful scrapes, each given as ``(time, counter)``.
-
-    None when there is no previous scrape, the two are more than
-    ``freshness_s`` apart (or not in time order), or the counter went
-    backwards (an engine restart: the next pair makes the statement).
-    """
-    if previous is None:
-        return None
-    (t0, c0), (t1, c1) = previous, current
-    dt = t1 - t0
-    if dt <= 0 or dt > freshness_s or c1 < c0:
-        return None
-    return (c1 - c0) / dt
 
 
 def _check_model_id(value: object) -> str | None:
@@ -281,6 +172,10 @@ def _pollable(info: BackendInfo) -> bool:
 class _PollError(Exception):
     """A poll that got no usable answer; the message is safe to log."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status of a non-2xx answer
+
 
 @dataclass
 class _Track:
@@ -289,20 +184,26 @@ class _Track:
     url: str
     generation: int = 0
     probe_ok: bool = True
+    probe_failures: int = 0  # failed health checks since the last passed one
+    probe_passed: bool = False  # a check has passed since this track began
     held_out_until: float = 0.0
     models: tuple[str, ...] | None = None
     models_ok: bool = False
     models_polled: bool = False
-    scrape_ok: bool = True
+    metrics: MetricsStatus | None = None  # the latest scrape's outcome; None: not scraped yet
+    missing_warned: bool = False  # the missing metrics were logged; again only after they were seen
+    engine: str | None = None
     scraped_at: float | None = None
-    counter: tuple[float, float] | None = None  # (time, generation tokens) of the latest scrape
+    readings: tuple[Reading, ...] = ()  # the token counter's recent readings, oldest first
     tps: float | None = None
     waiting: float | None = None
     running: float | None = None
 
     def reset_load(self) -> None:
-        self.scrape_ok = True
-        self.scraped_at = self.counter = self.tps = self.waiting = self.running = None
+        self.metrics = self.engine = None
+        self.missing_warned = False
+        self.readings = ()
+        self.scraped_at = self.tps = self.waiting = self.running = None
 
 
 class Monitor:
@@ -330,6 +231,7 @@ class Monitor:
         self._enabled = False
         self._states: Mapping[str, BackendState] = MappingProxyType({})
         self._discovered: dict[str, tuple[str, ...]] = {}
+        self._gauged: set[str] = set()  # backends with a METRICS_MISSING series
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
         self._supervisor: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -351,7 +253,7 @@ class Monitor:
         timeout = snap.config.monitor.timeout_s if snap is not None else 2.0
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeout),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEEPALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(),
             headers={"user-agent": "model-router-monitor"},
         )
@@ -452,13 +354,14 @@ class Monitor:
                 if not active:
                     continue
                 kinds = self._wanted_kinds(info)
-                if "probe" not in kinds and not track.probe_ok:
-                    track.probe_ok = True
+                if "probe" not in kinds and (not track.probe_ok or track.probe_failures):
+                    track.probe_ok, track.probe_failures = True, 0
                     track.generation += 1
-                if "scrape" not in kinds and track.scraped_at is not None:
+                if "scrape" not in kinds and (track.scraped_at is not None or track.metrics is not None):
                     track.reset_load()
                     track.generation += 1
                 wanted.update((name, k) for k in kinds)
+        self._gauge({name for name, kind in wanted if kind == "scrape"})
         if not self._stopping and self._session is not None:
             for key in list(self._tasks):
                 if key not in wanted or self._tasks[key].done():
@@ -469,6 +372,14 @@ class Monitor:
                 if key not in self._tasks:
                     self._tasks[key] = asyncio.create_task(self._poll_loop(*key), name=f"monitor-{key[1]}-{key[0]}")
         self._publish(mon)
+
+    def _gauge(self, scraped: set[str]) -> None:
+        """Give every scraped backend a METRICS_MISSING series (0 until a scrape says otherwise), and no other."""
+        for name in self._gauged - scraped:
+            METRICS_MISSING.remove(name)
+        for name in scraped - self._gauged:
+            METRICS_MISSING.labels(name).set(0)
+        self._gauged = scraped
 
     def _publish(self, mon: MonitorConfig) -> None:
         """Replace the published mapping when any state differs; report model-list changes."""
@@ -502,9 +413,12 @@ class Monitor:
         return BackendState(
             name=name,
             healthy=track.probe_ok,
+            probe_failures=track.probe_failures,
             held_out_until=track.held_out_until,
             models=track.models,
             models_ok=track.models_ok,
+            engine=track.engine,
+            metrics=track.metrics,
             throughput_tps=track.tps if fresh else None,
             waiting=track.waiting if fresh else None,
             running=track.running if fresh else None,
@@ -571,8 +485,13 @@ class Monitor:
             track = self._tracks.get(name)
             return None if track is None else track.generation
 
-    async def _get(self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict | None = None) -> bytes:
-        """GET a backend path; the body of a 2xx answer, else :class:`_PollError`."""
+    async def _get(
+        self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> bytes:
+        """GET a backend path within ``timeout_s`` (default ``monitor.timeout_s``); the body
+        of a 2xx answer, else :class:`_PollError`."""
+        timeout_s = mon.timeout_s if timeout_s is None else timeout_s
         session = self._session
         if session is None or session.closed:
             raise _PollError("monitor is stopped")
@@ -581,11 +500,11 @@ class Monitor:
                 poll_url(info, path),
                 headers=auth_headers(info),
                 params=params,
-                timeout=aiohttp.ClientTimeout(total=mon.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
                 allow_redirects=False,
             ) as resp:
                 if not 200 <= resp.status < 300:
-                    raise _PollError(f"status {resp.status}")
+                    raise _PollError(f"status {resp.status}", resp.status)
                 if resp.content_length is not None and resp.content_length > MAX_BODY_BYTES:
                     raise _PollError("body too large")
                 chunks, size = [], 0
@@ -596,7 +515,7 @@ class Monitor:
                     chunks.append(chunk)
                 return b"".join(chunks)
         except TimeoutError:
-            raise _PollError(f"no answer within {mon.timeout_s}s") from None
+            raise _PollError(f"no answer within {timeout_s}s") from None
         except aiohttp.ClientError as exc:
             raise _PollError(type(exc).__name__) from None
         except OSError as exc:
@@ -604,21 +523,18 @@ class Monitor:
 
     async def _probe(self, info: BackendInfo, mon: MonitorConfig) -> None:
         generation = self._generation(info.name)
-        path = info.config.probe_path or ""
+        check = info.config.health_check
+        if check is None:
+            return
+        timeout = mon.generation_check_timeout_s if check.kind == "generation" else mon.timeout_s
         try:
-            await self._get(info, path, mon)
-            ok = True
+            await self._get(info, check.path, mon, timeout_s=timeout)
+            reason = None
         except _PollError as exc:
-            ok = False
             reason = str(exc)
 
         def update(track: _Track) -> None:
-            if track.probe_ok != ok:
-                if ok:
-                    log.info("monitor: backend %s is healthy again (%s)", info.name, path)
-                else:
-                    log.warning("monitor: backend %s failed its health probe %s: %s", info.name, path, reason)
-            track.probe_ok = ok
+            _judge(track, info.name, check, reason)
 
         if generation is not None:
             self._apply(info.name, generation, update)
@@ -626,36 +542,33 @@ class Monitor:
     async def _scrape(self, info: BackendInfo, mon: MonitorConfig) -> None:
         generation = self._generation(info.name)
         path = info.config.scrape_path or ""
+        engine = info.config.engine
+        metrics, missing = None, None
         try:
             body = await self._get(info, path, mon)
-            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"))
+            metrics = parse_engine_metrics(body.decode("utf-8", errors="replace"), engine)
+            if metrics.engine is None:
+                missing = "the page has none of the series read"
             error = None
         except _PollError as exc:
-            metrics, error = None, str(exc)
+            error = str(exc)
+            if exc.status is not None and 400 <= exc.status < 500:
+                missing = error  # 404: SGLang or llama.cpp without their metrics flag
         at = self._clock()
 
         def update(track: _Track) -> None:
-            if metrics is None:
-                if track.scrape_ok:
+            found = metrics.engine if metrics is not None else None
+            track.engine = found or (engine.name if engine is not None else None)
+            if missing is not None:
+                _metrics_missing(track, info, path, missing)
+            elif metrics is None:
+                if track.metrics != "failed":
                     log.debug("monitor: metrics scrape of backend %s (%s) failed: %s", info.name, path, error)
-                track.scrape_ok = False
-                return
-            track.scrape_ok = True
-            if metrics.gen_throughput is not None and (
-                info.config.type == "sglang" or metrics.generation_tokens_total is None
-            ):
-                track.tps = metrics.gen_throughput
-            elif metrics.generation_tokens_total is not None:
-                current = (at, metrics.generation_tokens_total)
-                track.tps = compute_throughput(track.counter, current, mon.freshness_s)
+                track.metrics = "failed"
             else:
-                track.tps = None
-            track.counter = (
-                (at, metrics.generation_tokens_total) if metrics.generation_tokens_total is not None else None
-            )
-            track.waiting = metrics.waiting
-            track.running = metrics.running
-            track.scraped_at = at
+                _metrics_seen(track, info.name)
+            if metrics is not None:
+                _take_load(track, metrics, at, mon.freshness_s)
 
         if generation is not None:
             self._apply(info.name, generation, update)
@@ -689,6 +602,63 @@ class Monitor:
 
         if generation is not None:
             self._apply(info.name, generation, update)
+
+
+def _take_load(track: _Track, metrics: EngineMetrics, at: float, freshness_s: float) -> None:
+    """Record one page's figures; a counter's rate needs the earlier scrapes' readings."""
+    readings, track.tps, track.readings = track.readings, None, ()
+    if metrics.engine is not None and metrics.throughput is not None:
+        kind = ENGINES[metrics.engine].throughput.kind
+        if kind == "gauge":
+            track.tps = metrics.throughput
+        else:
+            track.tps, track.readings = counter_throughput(kind, readings, (at, metrics.throughput), freshness_s)
+    track.waiting = metrics.waiting
+    track.running = metrics.running
+    track.scraped_at = at
+
+
+def _metrics_missing(track: _Track, info: BackendInfo, path: str, reason: str) -> None:
+    """A scrape answered without any series of the backend's engine: warn once, and flag it."""
+    track.metrics = "missing"
+    METRICS_MISSING.labels(info.name).set(1)
+    if track.missing_warned:
+        return
+    track.missing_warned = True
+    engine = info.config.engine
+    hint = f"; {engine.metrics_hint}" if engine is not None and engine.metrics_hint else ""
+    log.warning(
+        "monitor: backend %s shows none of the %s metrics the router reads at %s (%s), so :nitro cannot "
+        "rank it and the max_waiting gate cannot see its queue%s",
+        info.name, engine.name if engine is not None else "engine", path, reason, hint,
+    )
+
+
+def _metrics_seen(track: _Track, name: str) -> None:
+    if track.missing_warned:
+        log.info("monitor: backend %s shows its engine metrics again", name)
+    track.metrics, track.missing_warned = "ok", False
+    METRICS_MISSING.labels(name).set(0)
+
+
+def _judge(track: _Track, name: str, check: HealthCheck, failure: str | None) -> None:
+    """Apply one health check's outcome (``failure`` None: it passed) to the backend's verdict."""
+    what = f"{check.kind} health check {check.path}"
+    if failure is None:
+        if not track.probe_ok:
+            log.info("monitor: backend %s is healthy again (%s passed)", name, what)
+        track.probe_ok, track.probe_failures, track.probe_passed = True, 0, True
+        return
+    track.probe_failures += 1
+    if not track.probe_ok:
+        return
+    if track.probe_failures >= check.down_after or not track.probe_passed:
+        log.warning("monitor: backend %s is down: its %s failed %d time(s) in a row: %s",
+                    name, what, track.probe_failures, failure)
+        track.probe_ok = False
+    else:
+        log.info("monitor: backend %s: its %s failed (%d of %d before it is marked down): %s",
+                 name, what, track.probe_failures, check.down_after, failure)
 
 
 def _differs_from_fresh(track: _Track) -> bool:

@@ -177,9 +177,13 @@ def _admin_app(runtime: Runtime) -> web.Application:
         out = {}
         for name, st in runtime.backend_states().items():
             tps, waiting, running = runtime.monitor.load(st, now)
+            info = runtime.snapshot.backends.get(name)
+            check = info.config.health_check if info is not None else None
             out[name] = {
                 "healthy": st.healthy, "held_out_s": max(0.0, st.held_out_until - now),
+                "health_check": check.kind if check is not None else None, "probe_failures": st.probe_failures,
                 "admissible": runtime.monitor.admissible(st, now),
+                "engine": st.engine, "metrics": st.metrics,
                 "throughput_tps": tps, "waiting": waiting, "running": running,
                 "scrape_age_s": None if st.scraped_at is None else now - st.scraped_at,
                 "models": list(st.models) if st.models is not None else None, "models_ok": st.models_ok,

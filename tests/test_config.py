@@ -99,6 +99,8 @@ def test_missing_env_names_path():
         ),
         ("api_keys: [{key: k, id: x, allowed_backends: [zz]}]", "api_keys[0].allowed_backends[0]: unknown backend 'zz'"),
         ("api_keys: [{key: '  ', id: x}]", "api_keys[0].key: must not be blank"),
+        ("monitor: {generation_check_timeout_s: 0}", "monitor.generation_check_timeout_s: must be >= 0.05"),
+        ("monitor: {generation_check_timeout_s: 601}", "monitor.generation_check_timeout_s: must be <= 600.0"),
     ],
 )
 def test_rejections_name_the_field(extra, expected):
@@ -116,6 +118,27 @@ backends:
     assert "backends[0].name: 'model-router-sidecar' is reserved for the sidecar's own cluster" in errs
     assert "backends[1].url: must be an http:// or https:// URL, or demo://" in errs
     assert "backends[2].name: must be 1 to 64 of A-Z a-z 0-9 . _ - (got 'bad/name')" in errs
+
+
+def test_engine_types_probe_and_scrape_by_their_engine():
+    cfg = parse("""
+backends:
+  - {name: v, url: 'http://127.0.0.1:1', type: vllm}
+  - {name: s, url: 'http://127.0.0.1:2', type: sglang, health_path: /health_generate}
+  - {name: t, url: 'http://127.0.0.1:3', type: tgi, metrics_path: ''}
+  - {name: l, url: 'http://127.0.0.1:4', type: llamacpp}
+  - {name: o, url: 'http://127.0.0.1:5', type: openai}
+""", env={}).config
+    v, s, t, lc, o = cfg.backends
+    assert [(b.probe_path, b.scrape_path) for b in cfg.backends] == [
+        ("/health", "/metrics"), ("/health_generate", "/metrics"), ("/health", None), ("/health", "/metrics"),
+        (None, None),
+    ]
+    assert s.health_check.kind == "generation" and s.health_check.path == "/health_generate"
+    assert lc.engine.name == "llamacpp" and lc.family == "openai" and o.engine is None and o.health_check is None
+    assert errors_of("backends: [{name: x, url: 'http://x', type: ollama}]") == [
+        "backends[0].type: must be one of 'openai', 'vllm', 'sglang', 'tgi', 'llamacpp' or 'anthropic'"
+    ]
 
 
 def test_duplicate_backend_and_control_characters():

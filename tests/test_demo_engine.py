@@ -499,6 +499,26 @@ def test_unhealthy_state_fails_health_and_api(engine: RunningEngine) -> None:
     assert bad.status_code == 400
 
 
+def test_state_hooks_stand_in_for_another_engine(engine: RunningEngine) -> None:
+    page = '# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{tp_rank="0"} 6.0\n'
+    with engine.http() as http:
+        state = http.post("/_demo/state", json={"metrics_page": page, "health_fail_next": 2, "health_delay_ms": 1})
+        assert state.json()["metrics_page"] == page and state.json()["health_fail_next"] == 2
+        served = http.get("/metrics")
+        assert served.status_code == 200 and served.text == page
+        assert served.headers["content-type"].startswith("text/plain")
+        assert [http.get("/health").status_code for _ in range(3)] == [503, 503, 200]
+        http.post("/_demo/state", json={"metrics_enabled": False})
+        off = http.get("/metrics")
+        assert off.status_code == 404 and off.json() == {"detail": "Not Found"}
+        state = http.post("/_demo/state", json={"metrics_enabled": True, "metrics_page": None}).json()
+        assert state["health_checks"] == 3 and state["metrics_scrapes"] == 2
+        assert "vllm:num_requests_waiting" in http.get("/metrics").text
+        for bad in ({"metrics_page": 3}, {"metrics_enabled": "no"}, {"health_delay_ms": -1},
+                    {"health_fail_next": True}):
+            assert http.post("/_demo/state", json=bad).status_code == 400
+
+
 def test_requests_are_recorded_and_cleared(engine: RunningEngine) -> None:
     client = engine.openai()
     client.chat.completions.create(

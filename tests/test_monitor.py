@@ -1,4 +1,4 @@
-"""The backend monitor: parsing helpers, the freshness and admission rules, and live polling of demo engines."""
+"""The backend monitor: model lists, the freshness and admission rules, and live polling of demo engines."""
 
 from __future__ import annotations
 
@@ -19,108 +19,22 @@ import aiohttp
 import pytest
 
 from sidecar.config import parse
+from sidecar.metrics import REGISTRY
 from sidecar.monitor import (
     BackendState,
-    EngineMetrics,
     Monitor,
     auth_headers,
-    compute_throughput,
-    parse_engine_metrics,
     parse_models,
     poll_url,
 )
 from sidecar.snapshot import build
 from sidecar.stack import free_port
 
+from .test_engines import page
+
 ROOT = Path(__file__).resolve().parent.parent
 
-VLLM_PAGE = """\
-# HELP vllm:num_requests_running Number of requests currently running on GPU.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="llama"} 3.0
-vllm:num_requests_running{engine="1",model_name="llama"} 2.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="llama"} 4.0
-vllm:num_requests_waiting{engine="1",model_name="llama"} 1.0
-# HELP vllm:generation_tokens_total Number of generation tokens processed.
-# TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{engine="0",model_name="llama"} 1000.0
-vllm:generation_tokens_total{engine="1",model_name="llama"} 234.0
-# HELP vllm:generation_tokens_created Number of generation tokens processed.
-# TYPE vllm:generation_tokens_created gauge
-vllm:generation_tokens_created{engine="0",model_name="llama"} 1.7e+09
-# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="llama"} 0.0
-vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="llama"} 12.0
-vllm:time_to_first_token_seconds_count{model_name="llama"} 12.0
-vllm:time_to_first_token_seconds_sum{model_name="llama"} 1.5
-# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.
-# TYPE process_cpu_seconds_total counter
-process_cpu_seconds_total 12.5
-"""
-
-SGLANG_PAGE = """\
-# HELP sglang:gen_throughput The generation throughput (token/s).
-# TYPE sglang:gen_throughput gauge
-sglang:gen_throughput{model_name="qwen",tp_rank="0"} 812.5
-# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
-# TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 6.0
-# HELP sglang:num_running_reqs The number of running requests.
-# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 9.0
-# HELP sglang:token_usage The token usage.
-# TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="qwen",tp_rank="0"} 0.25
-"""
-
-
 # --------------------------------------------------------------------------- parsing
-
-
-def test_parse_vllm_sums_label_sets_and_ignores_other_metrics():
-    m = parse_engine_metrics(VLLM_PAGE)
-    assert m == EngineMetrics(generation_tokens_total=1234.0, waiting=5.0, running=5.0, gen_throughput=None)
-
-
-def test_parse_sglang():
-    m = parse_engine_metrics(SGLANG_PAGE)
-    assert m == EngineMetrics(generation_tokens_total=None, waiting=6.0, running=9.0, gen_throughput=812.5)
-
-
-def test_parse_missing_metrics_are_none():
-    assert parse_engine_metrics("") == EngineMetrics()
-    assert parse_engine_metrics("# just a comment\nprocess_cpu_seconds_total 1\n") == EngineMetrics()
-    only_waiting = "vllm:num_requests_waiting 2\n"
-    assert parse_engine_metrics(only_waiting) == EngineMetrics(waiting=2.0)
-
-
-def test_parse_without_help_or_type_lines_and_with_family_named_without_total():
-    untyped = 'vllm:generation_tokens_total{model_name="m"} 42\nvllm:num_requests_running 1\n'
-    assert parse_engine_metrics(untyped) == EngineMetrics(generation_tokens_total=42.0, running=1.0)
-    openmetrics_style = (
-        "# TYPE vllm:generation_tokens counter\n"
-        'vllm:generation_tokens_total{model_name="m"} 42\n'
-        'vllm:generation_tokens_created{model_name="m"} 1.7e9\n'
-    )
-    assert parse_engine_metrics(openmetrics_style).generation_tokens_total == 42.0
-
-
-def test_parse_tolerates_malformed_lines_and_non_finite_values():
-    page = (
-        "this is not prometheus text {{{\n"
-        'vllm:num_requests_waiting{model_name="a"} 3\n'
-        'vllm:num_requests_waiting{model_name="b" oops\n'
-        'vllm:num_requests_waiting{model_name="c"} NaN\n'
-        'vllm:num_requests_running{model_name="a"} +Inf\n'
-        'vllm:generation_tokens_total{model_name="a"} 7 1700000000000\n'
-    )
-    m = parse_engine_metrics(page)
-    assert m.waiting == 3.0
-    assert m.running is None
-    assert m.generation_tokens_total == 7.0
 
 
 def test_parse_models():
@@ -130,30 +44,6 @@ def test_parse_models():
     for bad in (b"[]", b'{"models": []}', b"not json", b'{"data": {}}'):
         with pytest.raises(ValueError):
             parse_models(bad)
-
-
-# --------------------------------------------------------------------------- throughput rule
-
-
-def test_throughput_fresh_pair():
-    assert compute_throughput((10.0, 100.0), (12.0, 300.0), freshness_s=5) == pytest.approx(100.0)
-    assert compute_throughput((10.0, 100.0), (12.0, 100.0), freshness_s=5) == 0.0
-
-
-def test_throughput_needs_a_previous_scrape_and_time_order():
-    assert compute_throughput(None, (12.0, 300.0), freshness_s=5) is None
-    assert compute_throughput((12.0, 100.0), (12.0, 300.0), freshness_s=5) is None
-    assert compute_throughput((13.0, 100.0), (12.0, 300.0), freshness_s=5) is None
-
-
-def test_throughput_stale_pair_makes_no_statement():
-    assert compute_throughput((10.0, 100.0), (15.0, 300.0), freshness_s=5) == pytest.approx(40.0)
-    assert compute_throughput((10.0, 100.0), (15.5, 300.0), freshness_s=5) is None
-
-
-def test_throughput_counter_reset_waits_for_the_next_pair():
-    assert compute_throughput((10.0, 5000.0), (12.0, 40.0), freshness_s=5) is None
-    assert compute_throughput((12.0, 40.0), (14.0, 140.0), freshness_s=5) == pytest.approx(50.0)
 
 
 # --------------------------------------------------------------------------- admission and freshness
@@ -410,6 +300,156 @@ def test_active_probe_follows_engine_health(engines):
             await wait_for(lambda: mon.states["a"].models_ok, "models listed again")
         finally:
             await mon.stop()
+
+    run(main())
+
+
+def test_a_generation_check_marks_down_after_two_failures_in_a_row(engines, caplog):
+    eng = engines()
+    snap = snapshot_from(fast().replace("type: vllm", "type: sglang"), {"a": eng.url})
+    assert snap.backends["a"].config.health_check.kind == "generation"
+    caplog.set_level(logging.INFO, logger="model_router.monitor")
+
+    async def checks_arrived(n: int) -> None:
+        """Wait until the engine has seen ``n`` health checks (so the one before has been judged)."""
+        deadline = time.monotonic() + 10
+        while (await demo(eng.url))["health_checks"] < n:
+            assert time.monotonic() < deadline, f"the engine never saw {n} health checks"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        await demo(eng.url, health_fail_next=1)  # before any check passed, one failure is a verdict
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: "failed 1 time(s) in a row" in caplog.text, "down at the first check")
+            await wait_for(lambda: mon.states["a"].healthy, "healthy at the next one")
+            caplog.clear()
+            n = (await demo(eng.url, health_fail_next=1))["health_checks"]
+            await checks_arrived(n + 3)  # the failing check and a passing one were judged
+            assert mon.states["a"].healthy and mon.states["a"].probe_failures == 0
+            assert "generation health check /health failed (1 of 2 before it is marked down)" in caplog.text
+            assert "is down" not in caplog.text
+            await demo(eng.url, health_fail_next=2)
+            await wait_for(lambda: "is down: its generation health check /health failed 2 time(s)" in caplog.text,
+                           "down after two failures")
+            await wait_for(lambda: mon.states["a"].healthy and "healthy again" in caplog.text, "healthy again")
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+def missing_gauge(backend: str) -> float | None:
+    return REGISTRY.get_sample_value("model_router_backend_engine_metrics_missing", {"backend": backend})
+
+
+def test_a_backend_without_its_engine_metrics_is_warned_about_once(engines, caplog):
+    sglang, vllm = engines("s"), engines("v")
+    snap = snapshot_from(
+        fast().replace("name: a, url: \"demo://\", type: vllm", "name: s, url: \"demo://\", type: sglang")
+        + '  - {name: v, url: "demo://", type: vllm}\n',
+        {"s": sglang.url, "v": vllm.url},
+    )
+    caplog.set_level(logging.INFO, logger="model_router.monitor")
+
+    def warnings(name: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and f"backend {name} shows none" in r.getMessage()]
+
+    async def scraped(url: str, more: int) -> None:
+        n = (await demo(url))["metrics_scrapes"] + more
+        deadline = time.monotonic() + 10
+        while (await demo(url))["metrics_scrapes"] < n:
+            assert time.monotonic() < deadline, f"the engine at {url} was not scraped {more} more times"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        await demo(sglang.url, metrics_enabled=False)  # SGLang without --enable-metrics: 404
+        await demo(vllm.url, metrics_page="process_cpu_seconds_total 1\n")  # vLLM with --disable-log-stats
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await scraped(sglang.url, 5)
+            await scraped(vllm.url, 5)
+            assert warnings("s") == [
+                "monitor: backend s shows none of the sglang metrics the router reads at /metrics (status 404), "
+                "so :nitro cannot rank it and the max_waiting gate cannot see its queue; "
+                "SGLang serves them only when started with --enable-metrics"
+            ]
+            assert len(warnings("v")) == 1 and "(the page has none of the series read)" in warnings("v")[0]
+            assert "--disable-log-stats" in warnings("v")[0]
+            assert mon.states["s"].metrics == mon.states["v"].metrics == "missing"
+            assert mon.states["s"].engine == "sglang" and mon.load(mon.states["v"], time.monotonic()) == (None,) * 3
+            assert missing_gauge("s") == missing_gauge("v") == 1.0
+
+            await demo(sglang.url, metrics_enabled=True, metrics_page=page("sglang-default"))
+            await wait_for(lambda: mon.states["s"].metrics == "ok", "metrics seen")
+            assert missing_gauge("s") == 0.0 and mon.states["s"].waiting == 6.0
+            assert "backend s shows its engine metrics again" in caplog.text
+            await demo(sglang.url, metrics_enabled=False)  # lost again: a new warning
+            await wait_for(lambda: len(warnings("s")) == 2, "a second warning")
+        finally:
+            await mon.stop()
+
+    run(main())
+
+
+class ClosingServer:
+    """An HTTP/1.1 server that, like an engine whose keep-alive timer fires as a request
+    arrives, drops a request that comes on a connection idle for ``idle_s`` or more."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.answered: list[str] = []
+        self.dropped = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        last = None
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                if last is not None and time.monotonic() - last >= self.idle_s:
+                    self.dropped += 1
+                    return
+                path = head.split(b" ", 2)[1].decode()
+                body = b'{"data": [{"id": "m"}]}' if path.startswith("/v1/models") else b'{"status": "ok"}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+                self.answered.append(path)
+                last = time.monotonic()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_polls_never_reuse_a_connection_the_engine_may_be_closing(caplog):
+    """Engines close a connection idle for 5 s; the monitor keeps one idle for at most 2.5 s.
+    The stand-in closes at 3 s and the monitor polls every 3.5 s: every poll must open a
+    new connection rather than meet a closing one."""
+    caplog.set_level(logging.INFO, logger="model_router.monitor")
+
+    async def main():
+        stub = ClosingServer(idle_s=3.0)
+        url = await stub.start()
+        snap = snapshot_from(f"""
+            monitor: {{probe_interval_s: 3.5, models_interval_s: 3.5}}
+            backends: [{{name: a, url: "{url}", health_path: /health}}]
+            """)
+        mon = Monitor(lambda: snap)
+        await mon.start()
+        try:
+            await wait_for(lambda: stub.answered.count("/health") >= 3, "three health checks", timeout=20)
+        finally:
+            await mon.stop()
+            stub.server.close()
+        assert stub.dropped == 0
+        assert mon.states["a"].healthy and "is down" not in caplog.text
 
     run(main())
 
