@@ -1,7 +1,8 @@
 """Bounded soak: steady load through the real Envoy, watching the sidecar's memory.
 
-    .venv/bin/python bench/soak.py                 # 3 minutes
-    .venv/bin/python bench/soak.py --seconds 600   # longer
+    .venv/bin/python bench/soak.py                              # 3 minutes, closed loop
+    .venv/bin/python bench/soak.py --seconds 3600 --rate half   # an hour at half the saturation
+    .venv/bin/python bench/soak.py --recycle 100000             # under the worker supervisor
 
 Starts a ``sidecar.stack.Stack`` (two demo engines, one sidecar process, the
 real Envoy) with an active experiment (sticky by API key, ``response_model:
@@ -9,16 +10,18 @@ client``, attribution headers), then a few client threads send buffered and
 streamed chat completions (with and without ``stream_options.include_usage``)
 and Anthropic messages, each with a caller key drawn from a large pool so
 per-caller state, if any, would grow (``--keys N`` cycles a pool of N keys
-instead). Every ``--interval`` seconds it samples
-the sidecar's VmRSS from ``/proc/<pid>/status`` and prints a row.
+instead). ``--rate`` paces them (``half``: half of what the stack answers
+closed-loop over 20 s, measured first). Every ``--interval`` seconds it
+samples the sidecar's VmRSS and, from ``/admin/memory``, Python's allocated
+blocks, tracked objects and (``--tracemalloc``) traced bytes: a growing RSS
+with a flat Python heap is native memory.
 
-Verdict: after the warm-up (``--warmup``, 30 s), the mean RSS of the last third of the
-samples is compared with the mean of the first third; the run is FLAT when the
-growth is within 10 % or 5 MB (whichever is larger). The least-squares slope
-of RSS per request served is printed with it: a short run can be FLAT by that
-rule and still show steady growth. Exit status 0 when flat
-and every request succeeded, 1 otherwise. The run stops by itself after
-``--seconds`` (also on Ctrl-C or SIGTERM) and stops every process it started.
+Verdict: FLAT when the mean RSS of the last five samples is less than 5 MB
+above that of the first five after the warm-up (``--warmup``, default a
+quarter of the run); the least-squares slope of RSS per request is printed
+with it. Exit status 0 when flat and every request succeeded, 1 otherwise.
+The run stops by itself after ``--seconds`` (also on Ctrl-C or SIGTERM) and
+stops every process it started.
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def sidecar_rss_kb(stack: Stack) -> int:
+    """The sidecar's RSS; under the worker supervisor, its workers' (a draining one included)."""
+    proc = stack._procs.get("sidecar-0") or stack._procs["sidecar-supervisor"]
+    pid = proc.popen.pid
+    if "sidecar-0" in stack._procs:
+        return rss_kb(pid)
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(rss_kb(int(k)) for k in kids)
 
 
 class Load:
@@ -231,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of samples left out of the verdict (default: a quarter of the run)")
     ap.add_argument("--tracemalloc", action="store_true",
                     help="run the sidecar under tracemalloc (slower) and print where its heap grew")
+    ap.add_argument("--recycle", type=int, default=0, metavar="N",
+                    help="run the sidecar under its supervisor with server.max_requests_per_worker: N")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in the sidecar's environment (repeatable), e.g. MALLOC_ARENA_MAX=2")
     args = ap.parse_args(argv)
@@ -246,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="model-router-soak-") as tmp:
         config = Path(tmp) / "config.yaml"
-        config.write_text(textwrap.dedent(CONFIG).lstrip())
-        stack = Stack(config, workdir=Path(tmp))
+        text = textwrap.dedent(CONFIG).lstrip()
+        if args.recycle:
+            text = text.replace("admin_token: soak-admin}", f"admin_token: soak-admin, max_requests_per_worker: {args.recycle}}}")
+        config.write_text(text)
+        stack = Stack(config, workdir=Path(tmp), supervised=bool(args.recycle))
         stack.sidecar_env = dict(item.split("=", 1) for item in args.env)
         if args.tracemalloc:
             stack.sidecar_env["PYTHONTRACEMALLOC"] = "1"
@@ -255,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         samples: list[tuple[float, int, int]] = []
         try:
             stack.start()
-            pid = stack._procs["sidecar-0"].popen.pid
+            proc = stack._procs.get("sidecar-0") or stack._procs["sidecar-supervisor"]
+            pid = proc.popen.pid
             admin = stack.sidecar_admin[0]
             rate = 0.0
             if args.rate == "half":
@@ -271,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             print(HEADER, flush=True)
             load = Load(stack.url, args.threads, args.keys, rate)
             start = time.monotonic()
-            samples.append((0.0, 0, rss_kb(pid)))
+            samples.append((0.0, 0, sidecar_rss_kb(stack)))
             print(row(0, 0, None, 0, samples[-1][2], memory(admin)), flush=True)
             load.start()
             next_sample = start + args.interval
@@ -279,13 +298,13 @@ def main(argv: list[str] | None = None) -> int:
             while not stopping.is_set():
                 now = time.monotonic()
                 if now >= next_sample:
-                    if stack._procs["sidecar-0"].popen.poll() is not None:
+                    if proc.popen.poll() is not None:
                         print("soak: the sidecar exited", flush=True)
                         return 1
                     total = load.total()
                     t = now - start
                     prev_t, prev_n, _ = samples[-1]
-                    samples.append((t, total, rss_kb(pid)))
+                    samples.append((t, total, sidecar_rss_kb(stack)))
                     per_s = (total - prev_n) / (t - prev_t) if t > prev_t else 0.0
                     print(row(t, total, per_s, sum(load.errors.values()), samples[-1][2], memory(admin)), flush=True)
                     next_sample += args.interval

@@ -146,7 +146,10 @@ class Processor(pbg.ExternalProcessorServicer):
                         yield self._shed(st, req.request_headers)
                         continue
                     self.runtime.count_request()
-                    yield self._request_headers(st, req.request_headers)
+                    resp = self._request_headers(st, req.request_headers)
+                    yield resp
+                    if resp.mode_override.request_body_mode != _P.BUFFERED:
+                        return  # the last answer Envoy needs (see _finished)
                 elif kind == "request_body":
                     resp = self._request_body(st, req.request_body)
                     if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
@@ -155,19 +158,24 @@ class Processor(pbg.ExternalProcessorServicer):
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
                         resp = await self._online(st, req.request_body.body)
                     yield resp
+                    return
                 elif kind == "response_headers":
                     # A response stream (the upstream filter), opened only for rewrites.
                     plan = rewrite_of(req.metadata_context)
                     if plan is None:
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-                        continue
+                        return
                     response = ResponseStream(plan)
                     yield response.headers(req.response_headers)
+                    if response.finished:
+                        return
                 elif kind == "response_body":
                     if response is None:
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-                    else:
-                        yield response.body(req.response_body)
+                        return
+                    yield response.body(req.response_body)
+                    if response.finished:
+                        return
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":

@@ -77,7 +77,7 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 class ResponseStream:
     """One response being rewritten: JSON bodies whole, SSE event by event."""
 
-    __slots__ = ("plan", "rewriter", "buffer", "buffered", "published")
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "published", "finished")
 
     def __init__(self, plan: Rewrite) -> None:
         self.plan = plan
@@ -85,12 +85,14 @@ class ResponseStream:
         self.buffer: bytearray | None = None  # chunked JSON, held to its end
         self.buffered = False  # Envoy holds the headers and sends the whole body once
         self.published: tuple[int, int] | None = None  # the usage last put in metadata
+        self.finished = False  # nothing more to change: the stream can end
 
     def headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
         h = header_map(msg)
         status = h.get(":status", "0")
         encoding = h.get("content-encoding", "identity").lower()
+        self.finished = True
         if not status.startswith("2") or encoding != "identity" or msg.end_of_stream:
             return resp
         ctype = h.get("content-type", "").lower()
@@ -110,9 +112,12 @@ class ResponseStream:
             resp.mode_override.CopyFrom(_BUFFERED)
         else:
             self.rewriter = None
+            return resp
+        self.finished = False
         return resp
 
     def body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        self.finished = msg.end_of_stream or self.buffered
         out, usage = self._rewrite(msg)
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
         if usage is not None and usage.seen:
