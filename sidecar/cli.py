@@ -200,6 +200,12 @@ def cmd_assign(args) -> int:
     return run(args)
 
 
+def cmd_diff(args) -> int:
+    from .diff_cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,6 +252,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(func=cmd_assign)
+    df = xsub.add_parser("diff", help="which callers an edit moves to another arm, before it ships")
+    df.add_argument("old", help="the config in service")
+    df.add_argument("new", help="the edited config")
+    callers = df.add_mutually_exclusive_group()
+    callers.add_argument("--keys", metavar="FILE", help="sticky values, one per line: recompute each one's arm")
+    callers.add_argument("--usage-records", metavar="FILE",
+                         help="the router's usage records: recompute the key ids seen in each experiment")
+    df.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    df.add_argument("--movers", type=int, default=20, metavar="N", help="movers listed per experiment (default 20)")
+    df.add_argument("--json", action="store_true", help="print JSON, every mover included")
+    df.set_defaults(func=cmd_diff)
 
     d = sub.add_parser("demo-engine", help="run the built-in demo upstream engine")
     try:
