@@ -18,11 +18,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import config as config_mod
-from . import listing, metrics, snapshot
+from . import experiments_diff, listing, metrics, snapshot
 from .extproc import Processor
 from .metering import AccessLogService, JsonLinesSink, Meter
 
 log = logging.getLogger("model_router.server")
+
+_ADMIN_BODY_LIMIT = 16 * 1024 * 1024  # a config or a request to explain
 
 
 class Runtime:
@@ -101,6 +103,16 @@ class Runtime:
         self._stamp = stamp
         return self.reload()
 
+    def candidate(self, text: str) -> config_mod.Loaded:
+        """Config text validated as a reload validates a file, and not applied.
+        Raises :class:`~sidecar.config.ConfigError`."""
+        loaded = config_mod.parse(text)
+        try:
+            snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
+        except Exception as exc:
+            raise config_mod.ConfigError([f"(root): {type(exc).__name__}"], loaded.warnings) from None
+        return loaded
+
     def reload(self) -> bool:
         try:
             loaded = config_mod.load(self.path)
@@ -169,13 +181,35 @@ def _admin_app(runtime: Runtime) -> web.Application:
             }
         return web.json_response({"backends": out})
 
-    app = web.Application()
+    async def config_view(request):
+        if not authorized(request):
+            return web.json_response({"error": "admin token required"}, status=401)
+        if request.query.get("dry_run") != "1":
+            return web.json_response({"error": "only dry runs are served: POST /admin/config?dry_run=1; the sidecar "
+                                               "applies a config when its file changes"}, status=400)
+        try:
+            text = (await request.read()).decode("utf-8")
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response({"error": f"the config is larger than {_ADMIN_BODY_LIMIT} bytes"}, status=413)
+        except UnicodeDecodeError:
+            return web.json_response({"error": "the body must be the config's YAML text, in UTF-8"}, status=400)
+        try:
+            loaded = runtime.candidate(text)
+        except config_mod.ConfigError as exc:
+            return web.json_response(
+                {"error": "the config is invalid", "errors": exc.errors, "warnings": exc.warnings}, status=422
+            )
+        preview = experiments_diff.diff(runtime.snapshot.config, loaded.config, time.time())
+        return web.json_response({"dry_run": True, "warnings": loaded.warnings, **preview.to_dict()})
+
+    app = web.Application(client_max_size=_ADMIN_BODY_LIMIT)
     app.router.add_get("/admin/models", models_view)
     app.router.add_get("/admin/backends", backends_view)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_view)
     app.router.add_post("/admin/reload", reload_view)
+    app.router.add_post("/admin/config", config_view)
     return app
 
 

@@ -9,6 +9,7 @@ import textwrap
 from fractions import Fraction
 from pathlib import Path
 
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -301,3 +302,71 @@ model_experiments:
     assert main(["experiments", "diff", str(tmp_path / "old.yaml"), str(tmp_path / "new.yaml"),
                  "--keys", str(tmp_path / "keys.txt"), "--movers", "3", "--at", "2026-01-01T00:00:00Z"]) == 0
     assert capsys.readouterr().out.startswith(example)
+
+
+# --------------------------------------------------------------------------- POST /admin/config?dry_run=1
+
+SERVED = """
+server: {admin_token: adm}
+backends:
+  - {name: pool-a, url: "demo://", models: [m-a]}
+  - {name: pool-b, url: "demo://", models: [m-b]}
+model_experiments:
+  - name: split
+    model: chat
+    response_headers: true
+    variants:
+      - {id: control, model: m-a, weight: %d}
+      - {id: candidate, model: m-b, weight: %d}
+"""
+
+
+@pytest.fixture(scope="module")
+def served(stack_factory):
+    return stack_factory(SERVED % (90, 10))
+
+
+def dry_run(stack, body, token="adm", query="?dry_run=1"):
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"http://{stack.sidecar_admin[0]}/admin/config{query}", content=body, headers=headers)
+
+
+@pytest.mark.integration
+def test_dry_run_answers_the_diff_against_the_running_config_and_applies_nothing(served):
+    r = dry_run(served, (SERVED % (80, 20)).encode())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["dry_run"] is True and body["warnings"] == []
+    (e,) = body["experiments"]
+    assert e["experiment"] == "split" and e["status"] == "changed" and e["reshuffle"] is False
+    assert e["expected"]["moves"] == [{"from": "control", "to": "candidate", "share": pytest.approx(0.1)}]
+    assert e["observed"] is None
+    # The same document as the command prints for the same two configs.
+    offline = diff(parse(SERVED % (90, 10), env={}).config, parse(SERVED % (80, 20), env={}).config,
+                   body["unix_time"]).to_dict()
+    assert {k: v for k, v in body.items() if k not in ("dry_run", "warnings")} == offline
+    # Nothing was applied: a caller the edit would move still gets control.
+    mover = next(k for k in KEYS if assign("split", [("control", 80), ("candidate", 20)], k).variant_id == "candidate"
+                 and assign("split", [("control", 90), ("candidate", 10)], k).variant_id == "control")
+    r = httpx.post(served.url + "/v1/chat/completions", json={"model": "chat", "messages": []},
+                   headers={"authorization": f"Bearer {mover}"})
+    assert r.status_code == 200 and r.headers["x-continuum-experiment-variant"] == "control"
+    renamed = dry_run(served, (SERVED % (90, 10)).replace("name: split", "name: split-2").encode()).json()
+    assert renamed["experiments"][0]["status"] == "renamed" and renamed["experiments"][0]["reshuffle"] is True
+
+
+@pytest.mark.integration
+def test_dry_run_needs_the_admin_token_and_a_usable_body(served):
+    assert dry_run(served, b"x", token=None).status_code == 401
+    assert dry_run(served, b"x", token="wrong").status_code == 401
+    r = dry_run(served, (SERVED % (80, 20)).encode(), query="")
+    assert r.status_code == 400 and "dry_run=1" in r.json()["error"]
+    r = dry_run(served, b"\xff\xfe")
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]
+    r = dry_run(served, (SERVED % (80, 20)).replace("weight: 20", "weight: -1").encode())
+    assert r.status_code == 422
+    assert r.json()["errors"] == ["model_experiments[0].variants[1].weight: must be >= 0"]
+    r = dry_run(served, b"backends: [")
+    assert r.status_code == 422 and "not valid YAML" in r.json()["errors"][0]
+    r = dry_run(served, b"#" * (16 * 1024 * 1024 + 1))
+    assert r.status_code == 413 and "larger than" in r.json()["error"]
