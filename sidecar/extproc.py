@@ -188,10 +188,7 @@ class Processor(pbg.ExternalProcessorServicer):
         st.caller = caller
         encoding = h.get("content-encoding", "identity").strip().lower()
         if not msg.end_of_stream and encoding not in ("", "identity"):
-            # A body the router cannot read is a body it cannot judge.
-            return self._refuse(st=st, reply=errors.error(
-                "unsupported_encoding", f"Request bodies with content-encoding '{encoding}' are not accepted.", family
-            ))
+            return self._refuse(errors.unsupported_encoding(encoding, family), st)
         length = h.get("content-length")
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
@@ -232,8 +229,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:
-        limit = st.snap.max_body_bytes
-        return errors.error("too_large", f"The request body is larger than the limit of {limit} bytes.", st.family)
+        return errors.too_large(st.snap.max_body_bytes, st.family)
 
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         snap = st.snap
