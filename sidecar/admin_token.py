@@ -1,14 +1,18 @@
-"""The admin token: how a request presents it and how it is compared.
+"""The admin token: where a request presents it and how it is compared.
 
-The admin port takes it as ``Authorization: Bearer <server.admin_token>``.
-Without a configured token nothing matches.
+The admin port takes it as ``Authorization: Bearer <server.admin_token>``. A
+request through Envoy already uses ``Authorization`` for its API key, so it
+presents the token in :data:`HEADER` (with ``x-model-router-explain: 1``, to
+get its decision's trace). Without a configured token nothing matches.
 """
 
 from __future__ import annotations
 
 import hmac
 
-__all__ = ["bearer", "matches"]
+from .snapshot import ADMIN_TOKEN_HEADER as HEADER
+
+__all__ = ["HEADER", "bearer", "matches"]
 
 
 def matches(expected: str | None, given: bytes) -> bool:

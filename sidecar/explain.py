@@ -4,7 +4,9 @@
 listing and passthrough rules, :func:`sidecar.routing.decide`) on a request
 described as a client would send it, with a :class:`~sidecar.routing.trace.Trace`
 that every stage fills. ``POST /admin/explain`` answers it with the
-monitor's live states, ``model-router explain`` offline without them.
+monitor's live states, ``model-router explain`` offline without them, and a
+request through Envoy carrying ``x-model-router-explain: 1`` and the admin
+token gets :meth:`Trace.summary` in a response header (:func:`wanted`).
 
 Headers in the router's namespaces (``x-model-router-*``, ``x-continuum-*``)
 are dropped first, as Envoy drops a client's copies before the sidecar sees
@@ -21,15 +23,16 @@ from typing import Any
 
 import orjson
 
-from . import errors, listing, routing
+from . import admin_token, errors, listing, routing
 from .body import named_models
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
 from .routing.selection import BackendView
 from .routing.trace import Trace
+from .snapshot import EXPLAIN_HEADER as HEADER
 from .snapshot import ROUTER_HEADER_PREFIXES, Snapshot
 
-__all__ = ["RequestSpec", "SpecError", "explain"]
+__all__ = ["HEADER", "RequestSpec", "SpecError", "explain", "wanted"]
 
 _FIELDS = ("method", "path", "headers", "body")
 
@@ -71,6 +74,14 @@ class RequestSpec:
         except (UnicodeEncodeError, TypeError):
             raise SpecError("'body' must be valid Unicode text or a JSON value") from None
         return cls(method.upper(), path, {k.lower(): v for k, v in headers.items()}, raw)
+
+
+def wanted(headers: Mapping[str, str], token: str | None) -> bool:
+    """Whether a request through Envoy asks for its trace with the admin token.
+    (Header values arrive as latin-1 text of the raw bytes.)"""
+    if headers.get(HEADER, "").strip() != "1":
+        return False
+    return admin_token.matches(token, headers.get(admin_token.HEADER, "").encode("latin-1", "replace"))
 
 
 def explain(

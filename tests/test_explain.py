@@ -1,22 +1,27 @@
-"""Decision explain: POST /admin/explain and ``model-router explain``, through
-real Envoy, the sidecar and demo engines."""
+"""Decision explain: POST /admin/explain, ``model-router explain`` and the
+x-model-router-explain header, through real Envoy, the sidecar and demo engines."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar import snapshot
 from sidecar.assign_service import answer
 from sidecar.cli import main
 from sidecar.config import parse
+from sidecar.envoyconf import _namespace_matchers
 from sidecar.explain import RequestSpec, SpecError, explain
 from sidecar.ingress import lookup
 from sidecar.monitor import BackendState
 from sidecar.routing import Caller, Request, authenticate, decide
 from sidecar.routing.trace import Trace
+from sidecar.snapshot import CLIENT_ROUTER_HEADERS, ROUTER_HEADER_PREFIXES
 
 from .conftest import clear_demo_requests, demo_requests
 from .test_suffixes import Generator, admin_backends, wait_for
@@ -140,6 +145,49 @@ def test_explained_refusals_name_the_stage(stack):
     assert doc["dropped_headers"] == ["x-model-router-backend"]
 
 
+# --------------------------------------------------------------------------- x-model-router-explain
+
+
+def summary_of(r: httpx.Response) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in r.headers["x-model-router-explain"].split("; "))
+
+
+@pytest.mark.integration
+def test_explain_header_with_the_admin_token_returns_the_summary(stack):
+    clear_demo_requests(stack)
+    body = chat("chat")["body"]
+    asked = {"authorization": "Bearer user-7", "x-model-router-explain": "1", "x-model-router-admin-token": "adm"}
+    r = httpx.post(stack.url + "/v1/chat/completions", json=body, headers=asked)
+    assert r.status_code == 200
+    doc = admin_explain(stack, chat("chat", "user-7")).json()
+    s = summary_of(r)
+    assert s["experiment"] == "split" and s["arm"] == f"{stage(doc, 'experiment')['arm']} (sticky)"
+    assert s["backend"] == r.json()["choices"][0]["message"]["content"].split("]")[0].lstrip("[")
+    assert s["scores"] == doc["summary"].split("scores=")[1].split(";")[0]
+    # Neither the ask nor the token travels upstream.
+    (seen,) = [x for b in ("e1", "e2", "e3") for x in demo_requests(stack, b) if x["path"] == "/v1/chat/completions"]
+    assert not {"x-model-router-explain", "x-model-router-admin-token"} & set(seen["headers"])
+    # A refusal carries it too.
+    r = httpx.post(stack.url + "/v1/chat/completions", json=chat("nope")["body"], headers=asked)
+    assert r.status_code == 404 and summary_of(r)["refused"] == "404 model_not_found"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("headers", [
+    {"x-model-router-explain": "1"},
+    {"x-model-router-explain": "1", "x-model-router-admin-token": "wrong"},
+    {"x-model-router-explain": "1", "authorization": "Bearer adm"},
+    {"x-model-router-admin-token": "adm"},
+])
+def test_explain_header_without_the_admin_token_is_ignored(stack, headers):
+    clear_demo_requests(stack)
+    for model in ("chat", "nope"):
+        r = httpx.post(stack.url + "/v1/chat/completions", json=chat(model)["body"], headers=headers)
+        assert r.status_code in (200, 404) and "x-model-router-explain" not in r.headers
+    (seen,) = [x for b in ("e1", "e2", "e3") for x in demo_requests(stack, b) if x["path"] == "/v1/chat/completions"]
+    assert not {"x-model-router-explain", "x-model-router-admin-token"} & set(seen["headers"])
+
+
 # --------------------------------------------------------------------------- :nitro with a stale engine
 
 
@@ -258,6 +306,27 @@ def test_spec_rejects_what_it_cannot_send():
         RequestSpec.from_json({"path": "/v1", "body": "\ud800"})
     assert RequestSpec.from_json({"path": "/v1", "body": {"a": 1}}).body == b'{"a":1}'
     assert RequestSpec.from_json({"path": "/v1", "headers": {"X-A": "b"}}).headers == {"x-a": "b"}
+
+
+names = st.text(alphabet="abdeiklmnoprtux-", max_size=16)
+
+
+@given(st.sampled_from(ROUTER_HEADER_PREFIXES + ("x-model-router-e", "x-model-router-a", "x-", "")), names)
+def test_envoy_strips_every_router_header_but_the_operator_ones(prefix, rest):
+    header = prefix + rest
+    patterns = [m for p in ROUTER_HEADER_PREFIXES for m in _namespace_matchers(p)]
+    stripped = any(re.fullmatch(m["safe_regex"]["regex"], header) if "safe_regex" in m
+                   else header.startswith(m["prefix"]) for m in patterns)
+    assert stripped == (header.startswith(ROUTER_HEADER_PREFIXES) and header not in CLIENT_ROUTER_HEADERS)
+
+
+def test_envoy_strips_near_misses_of_the_operator_headers():
+    patterns = _namespace_matchers("x-model-router-")
+    for header in ("x-model-router-explai", "x-model-router-explainx", "x-model-router-admin-toke",
+                   "x-model-router-admin-tokens", "x-model-router-", "x-model-router-backend"):
+        assert any(re.fullmatch(m["safe_regex"]["regex"], header) for m in patterns), header
+    for header in CLIENT_ROUTER_HEADERS:
+        assert not any(re.fullmatch(m["safe_regex"]["regex"], header) for m in patterns), header
 
 
 def test_summary_quotes_what_a_header_cannot_carry():
