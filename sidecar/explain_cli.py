@@ -56,7 +56,12 @@ def _scores(stage: dict[str, Any]) -> list[str]:
 
 def _candidate_facts(c: dict[str, Any]) -> str:
     filters = c.get("filters")
-    parts = [f"{k} {v}" for k, v in filters.items()] if isinstance(filters, dict) else [filters] if filters else []
+    if filters is None:
+        parts = []
+    elif c.get("monitor") is None:
+        parts = ["no monitor data: admitted"]
+    else:
+        parts = [f"{k} {v}" for k, v in filters.items()]
     ranker = c.get("ranker") or {}
     if "missing" in ranker:
         parts.append(f"nothing to rank by: {ranker['missing']}")

@@ -206,7 +206,9 @@ def test_nitro_explain_names_the_fastest_fresh_engine_and_excludes_the_stale_one
                  and b["e2"]["throughput_tps"] and b["e2"]["throughput_tps"] > 3 * (b["e1"]["throughput_tps"] or 0),
                  "e3 stale, e2 fastest of the fresh", timeout=20)
         doc = admin_explain(stack, chat("base:nitro")).json()
-        served = httpx.post(stack.url + "/v1/chat/completions", json=chat("base:nitro")["body"]).json()
+        r = httpx.post(stack.url + "/v1/chat/completions", json=chat("base:nitro")["body"],
+                       headers={"x-model-router-explain": "1", "x-model-router-admin-token": "adm"})
+    served, summary = r.json(), summary_of(r)
     (attempt,) = doc["selection"]
     by = {c["backend"]: c for c in attempt["candidates"]}
     assert attempt["chosen"] == "e2" and attempt["ranker"] == {"name": "throughput", "applied": True}
@@ -217,7 +219,10 @@ def test_nitro_explain_names_the_fastest_fresh_engine_and_excludes_the_stale_one
     assert by["e1"]["verdict"] == "excluded by the throughput ranker: lower throughput"
     assert by["e2"]["ranker"]["throughput_tps"] > by["e1"]["ranker"]["throughput_tps"]
     assert "excluded=e1:lower throughput,e3:stale" in doc["summary"]
+    # The request itself went where explain said, and its own trace says why.
     assert served["choices"][0]["message"]["content"].startswith("[e2]")
+    assert (summary["backend"], summary["ranker"], summary["excluded"]) == (
+        "e2", "throughput applied", "e1:lower throughput,e3:stale")
 
 
 # --------------------------------------------------------------------------- offline, and the pure parts

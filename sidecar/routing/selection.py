@@ -160,8 +160,9 @@ def _admitted(ctx: Context, candidates: list[BackendInfo], rec: AttemptTrace | N
 def _record_filters(ctx: Context, rec: AttemptTrace, b: BackendInfo, holdout: bool) -> None:
     state = ctx.states.get(b.name)
     entry = rec.candidate(b.name)
-    if state is None:
-        entry["filters"] = "no monitor data: admitted"
+    if state is None:  # admissible() admits a backend the monitor does not know
+        entry["filters"] = {name: "pass" for name, _ in FILTERS}
+        entry["monitor"] = None
         return
     mon = ctx.snap.config.monitor
     verdicts = {}
