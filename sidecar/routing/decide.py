@@ -131,7 +131,7 @@ def _experiment(
     plan.read_usage = req.ingress.usage
     if variant.backends is not None:
         allowed = set(variant.backends) if allowed is None else allowed & set(variant.backends)
-    if req.trace is not None:
+    if req.trace is not None:  # the experiment stage _traced_arm recorded
         req.trace.stages[-1].update(pin=variant.backends, backends=_sorted(allowed), fallback=exp.fallback)
     if variant.backends is not None and not allowed:
         return errors.model_not_permitted(requested, req.ingress.family)
@@ -244,6 +244,8 @@ def _fall_back(
         trace.stage("fallback", f"hop '{served[0]}' served" if served else (
             "every hop failed" if hops else "no fallback chain"), chain=hops)
     return served
+
+
 def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
     """The chain of ``origin`` (or of the id it dispatches as). A chain whose
     origin is not reserved skips reserved hops, so ordinary routing never

@@ -87,9 +87,7 @@ class Trace:
         return next((s for s in self.stages if s["stage"] == name), None)
 
     def to_dict(self) -> JSON:
-        out: JSON = {"stages": self.stages, "selection": [a.to_dict() for a in self.attempts]}
-        out["outcome"] = self.outcome
-        return out
+        return {"stages": self.stages, "selection": [a.to_dict() for a in self.attempts], "outcome": self.outcome}
 
     def summary(self) -> str:
         """The trace in one header value: ``key=value`` pairs separated by ``; ``."""
