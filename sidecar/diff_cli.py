@@ -90,9 +90,9 @@ def render_experiment(e: ExperimentDiff, movers: int) -> list[str]:
     if e.reshuffle:
         lines.append("  RESHUFFLE: every caller is drawn afresh")
     lines += [f"  note: {n}" for n in e.notes]
+    lines += _arms(e) if e.arms else []
     if e.expected is None:
         return lines
-    lines += _arms(e)
     moving, minimum = float(e.moving_share or 0), float(e.minimum_share or 0)
     lines.append(f"  expected: {_pct(moving)} of sticky callers change arm "
                  f"(the fewest the new shares allow: {_pct(minimum)})")

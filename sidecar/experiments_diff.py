@@ -108,7 +108,7 @@ class ExperimentDiff:
     notes: tuple[str, ...] = ()
     arms: tuple[Arm, ...] = ()
     kept_key_share: Fraction | None = None  # callers whose caller key survives the edit
-    expected: reassignment.Joint | None = None  # (from, to) -> share; None for added/removed
+    expected: reassignment.Joint | None = None  # (from, to) -> share; None: no sticky callers (added, removed, none)
     observed: Observed | None = None
     observed_note: str | None = None  # why there is no observation
 
@@ -212,6 +212,10 @@ def _pairs(old: Sequence[Experiment], new: Sequence[Experiment]) -> list[tuple[E
 
 
 def _compare(old: Experiment, new: Experiment, unix_time: float, source: CallerSource | None) -> ExperimentDiff:
+    status = "unchanged" if old == new else "renamed" if old.name != new.name else "changed"
+    if old.sticky_key == new.sticky_key == "none":
+        return ExperimentDiff(new.name, status, old, new, notes=tuple(_notes(old, new, Fraction(0))),
+                              arms=_arms(old, new), observed_note="sticky_key is none: no caller keeps an arm")
     old_v = [(v.id, v.weight) for v in old.variants]
     new_v = [(v.id, v.weight) for v in new.variants]
     kept = _kept(old, new, unix_time)
@@ -228,7 +232,6 @@ def _compare(old: Experiment, new: Experiment, unix_time: float, source: CallerS
             note = listed
         else:
             observed = _observe(old, new, listed, unix_time, source.source)
-    status = "unchanged" if old == new else "renamed" if old.name != new.name else "changed"
     return ExperimentDiff(
         name=new.name, status=status, old=old, new=new, notes=tuple(_notes(old, new, kept)),
         arms=_arms(old, new), kept_key_share=kept, expected=joint, observed=observed, observed_note=note,
@@ -300,7 +303,7 @@ def _notes(old: Experiment, new: Experiment, kept: Fraction) -> list[str]:
         notes.append(f"sticky_key changes from {old.sticky_key} to {new.sticky_key}: callers are hashed by "
                      f"another value, so {afresh}")
     elif new.sticky_key == "none":
-        notes.append("sticky_key is none: every request draws at random, so no caller keeps an arm")
+        notes.append("sticky_key is none: every request draws at random, so there are no sticky callers to move")
     if old.sticky_ttl != new.sticky_ttl and old.name == new.name and old.sticky_key == new.sticky_key:
         change = f"sticky_ttl changes from {_ttl(old.sticky_ttl)} to {_ttl(new.sticky_ttl)}"
         if kept == 0:

@@ -370,3 +370,12 @@ def test_dry_run_needs_the_admin_token_and_a_usable_body(served):
     assert r.status_code == 422 and "not valid YAML" in r.json()["errors"][0]
     r = dry_run(served, b"#" * (16 * 1024 * 1024 + 1))
     assert r.status_code == 413 and "larger than" in r.json()["error"]
+
+
+def test_random_experiments_have_no_sticky_callers_to_move():
+    v_old, v_new = [("a", 50), ("b", 50)], [("a", 80), ("b", 20)]
+    (e,) = diff(config(experiment("exp", v_old, "sticky_key: none")), config(experiment("exp", v_new, "sticky_key: none")),
+                NOW, KeyList(KEYS)).experiments
+    assert e.expected is None and e.observed is None and not e.reshuffle
+    assert any("no sticky callers" in n for n in e.notes)
+    assert [(a.variant_id, a.new_share) for a in e.arms] == [("a", Fraction(4, 5)), ("b", Fraction(1, 5))]
