@@ -199,6 +199,51 @@ def cmd_assign(args) -> int:
     return run(args)
 
 
+def cmd_diff(args) -> int:
+    from .diff_cli import run
+
+    return run(args)
+
+
+def cmd_explain(args) -> int:
+    from .explain_cli import run
+
+    return run(args)
+
+
+def _add_experiments(sub) -> None:
+    x = sub.add_parser("experiments", help="inspect model experiments")
+    xsub = x.add_subparsers(dest="experiments_command", required=True)
+    a = xsub.add_parser("assign", help="which arm a caller gets, and why")
+    a.add_argument("--config", required=True)
+    a.add_argument("--experiment", required=True, help="experiment name")
+    a.add_argument("--key", required=True, help="the caller's sticky value (API key, user or header value)")
+    a.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    a.add_argument("--json", action="store_true", help="print JSON")
+    a.set_defaults(func=cmd_assign)
+    df = xsub.add_parser("diff", help="which callers an edit moves to another arm, before it ships")
+    df.add_argument("old", help="the config in service")
+    df.add_argument("new", help="the edited config")
+    callers = df.add_mutually_exclusive_group()
+    callers.add_argument("--keys", metavar="FILE", help="sticky values, one per line: recompute each one's arm")
+    callers.add_argument("--usage-records", metavar="FILE",
+                         help="the router's usage records: recompute the key ids seen in each experiment")
+    df.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    df.add_argument("--movers", type=int, default=20, metavar="N", help="movers listed per experiment (default 20)")
+    df.add_argument("--json", action="store_true", help="print JSON, every mover included")
+    df.set_defaults(func=cmd_diff)
+
+
+def _add_explain(sub) -> None:
+    ex = sub.add_parser("explain", help="why a request would be routed as it is, offline (nothing is sent)")
+    ex.add_argument("--config", required=True)
+    ex.add_argument("--request", required=True, metavar="FILE",
+                    help='JSON {"method", "path", "headers", "body"}; - for standard input')
+    ex.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    ex.add_argument("--json", action="store_true", help="print JSON, as POST /admin/explain answers")
+    ex.set_defaults(func=cmd_explain)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -236,15 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--admin-listen", help="Envoy admin host:port (default: envoy.admin_listen)")
     e.set_defaults(func=cmd_envoy_config)
 
-    x = sub.add_parser("experiments", help="inspect model experiments")
-    xsub = x.add_subparsers(dest="experiments_command", required=True)
-    a = xsub.add_parser("assign", help="which arm a caller gets, and why")
-    a.add_argument("--config", required=True)
-    a.add_argument("--experiment", required=True, help="experiment name")
-    a.add_argument("--key", required=True, help="the caller's sticky value (API key, user or header value)")
-    a.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
-    a.add_argument("--json", action="store_true", help="print JSON")
-    a.set_defaults(func=cmd_assign)
+    _add_experiments(sub)
+    _add_explain(sub)
 
     d = sub.add_parser("demo-engine", help="run the built-in demo upstream engine")
     try:

@@ -17,6 +17,7 @@ The layout:
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,14 @@ import yaml
 
 from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
-from .snapshot import ATTRIBUTION_HEADERS, BACKEND_HEADER, ROUTER_HEADER_PREFIXES, _split
+from .snapshot import (
+    ATTRIBUTION_HEADERS,
+    BACKEND_HEADER,
+    CLIENT_ROUTER_HEADERS,
+    EXPLAIN_HEADER,
+    ROUTER_HEADER_PREFIXES,
+    _split,
+)
 
 _T = "type.googleapis.com/"
 
@@ -164,6 +172,7 @@ _ATTRIBUTION_KEYS = {
     "x-continuum-model-variant": "x_model_variant",
     "x-continuum-model-variant-applied": "x_model_variant_applied",
     "x-continuum-fallback-model": "x_fallback_model",
+    EXPLAIN_HEADER: "x_explain",
 }
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 
@@ -177,6 +186,31 @@ def _attribution_headers() -> list[dict]:
         }
         for name, key in _ATTRIBUTION_KEYS.items()
     ]
+
+
+def not_one_of(words: Sequence[str]) -> str:
+    """An RE2 pattern (matched whole) for every string except ``words``: RE2 has
+    no lookahead, so the complement is spelled out over the words' prefixes."""
+    firsts = sorted({w[0] for w in words if w})
+    alternatives = [""] if "" not in words else []
+    alternatives.append("[^" + "".join(re.escape(c) for c in firsts) + "].*" if firsts else ".+")
+    for c in firsts:
+        alternatives.append(re.escape(c) + "(?:" + not_one_of([w[1:] for w in words if w[:1] == c]) + ")")
+    return "|".join(alternatives)
+
+
+def _namespace_matchers(prefix: str) -> list[dict]:
+    """Key matchers for every header of a router namespace but the ones an
+    operator may send; one pattern per first letter of those, since Envoy
+    refuses an RE2 program past 100 instructions."""
+    spared = [h[len(prefix):] for h in CLIENT_ROUTER_HEADERS if h.startswith(prefix)]
+    if not spared:
+        return [{"prefix": prefix}]
+    firsts = sorted({w[0] for w in spared})
+    head = re.escape(prefix)
+    patterns = [head + "(?:[^" + "".join(re.escape(c) for c in firsts) + "].*)?"]
+    patterns += [head + re.escape(c) + "(?:" + not_one_of([w[1:] for w in spared if w[0] == c]) + ")" for c in firsts]
+    return [{"safe_regex": {"regex": p}} for p in patterns]
 
 
 def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) -> list[dict]:
@@ -427,7 +461,8 @@ def bootstrap(
                 "typed_config": {
                     "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
                     "mutations": [
-                        {"remove_on_match": {"key_matcher": {"prefix": prefix}}} for prefix in ROUTER_HEADER_PREFIXES
+                        {"remove_on_match": {"key_matcher": matcher}}
+                        for prefix in ROUTER_HEADER_PREFIXES for matcher in _namespace_matchers(prefix)
                     ],
                 },
             }
@@ -444,7 +479,7 @@ def bootstrap(
         "request_timeout": "0s",
         "route_config": {
             "name": "model_router",
-            "request_headers_to_remove": [BACKEND_HEADER, RESPONSE_HEADER],
+            "request_headers_to_remove": [BACKEND_HEADER, RESPONSE_HEADER, *CLIENT_ROUTER_HEADERS],
             # An upstream cannot forge the router's attribution; the router's own
             # comes from the decision's metadata (applied after the removal).
             "response_headers_to_remove": list(ATTRIBUTION_HEADERS),

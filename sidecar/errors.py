@@ -82,3 +82,12 @@ def model_not_found(model: str, family: str, reserved_by: str | None = None) -> 
 
 def model_not_permitted(model: str, family: str) -> Reply:
     return error("model_not_permitted", f"This API key is not permitted to use the model '{model}'.", family, "model")
+
+
+def too_large(limit: int, family: str) -> Reply:
+    return error("too_large", f"The request body is larger than the limit of {limit} bytes.", family)
+
+
+def unsupported_encoding(encoding: str, family: str) -> Reply:
+    """A body the router cannot read is a body it cannot judge."""
+    return error("unsupported_encoding", f"Request bodies with content-encoding '{encoding}' are not accepted.", family)

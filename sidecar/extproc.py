@@ -20,6 +20,7 @@ import os
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -29,14 +30,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from . import errors, listing, metrics, routing, websearch
+from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
 from .errors import Reply
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
 from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
 from .rewrite import rewrite_json_body
-from .snapshot import BACKEND_HEADER
+from .routing.trace import Trace
+from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
 
 log = logging.getLogger("model_router.extproc")
 
@@ -99,7 +101,7 @@ class _Stream:
 
     __slots__ = (
         "snap", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
-        "raw_path", "path", "caller", "route",
+        "raw_path", "path", "caller", "route", "trace",
     )
 
     def __init__(self) -> None:
@@ -114,6 +116,7 @@ class _Stream:
         self.raw_path = "/"
         self.caller = None
         self.route: routing.Route | None = None
+        self.trace: Trace | None = None  # an operator asked for this request's decision trace
 
     def meta(self) -> dict:
         """What every answer on this stream publishes besides the decision."""
@@ -144,12 +147,12 @@ class Processor(pbg.ExternalProcessorServicer):
                 if kind == "request_headers":
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
                         yield self._shed(st, req.request_headers)
-                        continue
+                        return
                     self.runtime.count_request()
                     resp = self._request_headers(st, req.request_headers)
                     yield resp
                     if resp.mode_override.request_body_mode != _P.BUFFERED:
-                        return  # the last answer Envoy needs (see _finished)
+                        return  # the last answer Envoy needs: end the stream from our side
                 elif kind == "request_body":
                     resp = self._request_body(st, req.request_body)
                     if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
@@ -207,16 +210,15 @@ class Processor(pbg.ExternalProcessorServicer):
         st.path = canonical(st.raw_path)
         st.ingress = ingress = lookup(st.path)
         st.family = family = family_for(st.path)
-        caller = routing.authenticate(snap, h, family)
+        if EXPLAIN_HEADER in h and explain.wanted(h, snap.config.server.admin_token):
+            st.trace = Trace()
+        caller = routing.authenticate(snap, h, family, st.trace)
         if isinstance(caller, Reply):
             return self._refuse(caller, st)
         st.caller = caller
         encoding = h.get("content-encoding", "identity").strip().lower()
         if not msg.end_of_stream and encoding not in ("", "identity"):
-            # A body the router cannot read is a body it cannot judge.
-            return self._refuse(st=st, reply=errors.error(
-                "unsupported_encoding", f"Request bodies with content-encoding '{encoding}' are not accepted.", family
-            ))
+            return self._refuse(errors.unsupported_encoding(encoding, family), st)
         length = h.get("content-length")
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
@@ -257,8 +259,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:
-        limit = st.snap.max_body_bytes
-        return errors.error("too_large", f"The request body is larger than the limit of {limit} bytes.", st.family)
+        return errors.too_large(st.snap.max_body_bytes, st.family)
 
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         snap = st.snap
@@ -268,7 +269,7 @@ class Processor(pbg.ExternalProcessorServicer):
         req = routing.Request(
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
             now=time.time(), pick=self._counter, rand=self._rand.random(),
-            states=self.runtime.backend_states(), mono=time.monotonic(),
+            states=self.runtime.backend_states(), mono=time.monotonic(), trace=st.trace,
         )
         try:
             route = routing.decide(snap, req)
@@ -290,7 +291,7 @@ class Processor(pbg.ExternalProcessorServicer):
         st.route = route
         if route.body is not None:
             common.body_mutation.body = route.body
-        md = _struct({NAMESPACE: {**route.metadata(), **st.meta()}})
+        md = _struct({NAMESPACE: {**route.metadata(), **st.meta(), **self._explained(st, route)}})
         if phase == "headers":
             return pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=common), mode_override=_MODE_NOTHING_MORE,
@@ -311,6 +312,8 @@ class Processor(pbg.ExternalProcessorServicer):
             self.runtime.report_response(route.backend.name, reply.status)
         _, usage = rewrite_json_body(reply.body, None, "openai")
         meta = {**route.metadata(), **st.meta(), "kind": route.plan.kind}
+        if st.trace is not None:
+            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, st.trace.summary()),))
         return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
 
     @staticmethod
@@ -347,10 +350,25 @@ class Processor(pbg.ExternalProcessorServicer):
                 f"headers and {limits.max_request_headers_kb} KiB).",
                 st.family,
             )
-        return pb.CommonResponse(header_mutation=header_mutation(sets, route.remove_headers), clear_route_cache=True)
+        remove = route.remove_headers
+        if any(name in st.headers for name in CLIENT_ROUTER_HEADERS):
+            remove += tuple(name for name in CLIENT_ROUTER_HEADERS if name in st.headers)  # never upstream
+        return pb.CommonResponse(header_mutation=header_mutation(sets, remove), clear_route_cache=True)
+
+    @staticmethod
+    def _explained(st: _Stream, result: routing.Route | Reply) -> dict:
+        """The trace summary's metadata (Envoy sends it back as a response header),
+        when an operator asked for it."""
+        if st.trace is None:
+            return {}
+        st.trace.conclude(result)
+        return {"x_explain": st.trace.summary()}
 
     def _refuse(self, reply: Reply, st: _Stream) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
+        explained = self._explained(st, reply)
+        if explained:
+            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained["x_explain"]),))
         return immediate(reply, st.meta())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import logging
 import os
 import random
@@ -16,19 +15,22 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
+import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
 from . import config as config_mod
-from . import listing, metrics, snapshot, workers
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
 from .metering import AccessLogService, JsonLinesSink, Meter
 
 log = logging.getLogger("model_router.server")
+
+_ADMIN_BODY_LIMIT = 16 * 1024 * 1024  # a config or a request to explain
 
 
 class Runtime:
@@ -118,6 +120,16 @@ class Runtime:
         self._stamp = stamp
         return self.reload()
 
+    def candidate(self, text: str) -> config_mod.Loaded:
+        """Config text validated as a reload validates a file, and not applied.
+        Raises :class:`~sidecar.config.ConfigError`."""
+        loaded = config_mod.parse(text)
+        try:
+            snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
+        except Exception as exc:
+            raise config_mod.ConfigError([f"(root): {type(exc).__name__}"], loaded.warnings) from None
+        return loaded
+
     def reload(self) -> bool:
         try:
             loaded = config_mod.load(self.path)
@@ -139,14 +151,9 @@ class Runtime:
 
 def _admin_app(runtime: Runtime) -> web.Application:
     def authorized(request: web.Request) -> bool:
-        token = runtime.snapshot.config.server.admin_token
-        if not token:
-            return False
-        given = request.headers.get("authorization", "")
-        if given.lower().startswith("bearer "):
-            given = given[7:].strip()
+        given = admin_token.bearer(request.headers.get("authorization", ""))
         # Header bytes that are not UTF-8 arrive as surrogate escapes; compare raw bytes.
-        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
+        return admin_token.matches(runtime.snapshot.config.server.admin_token, given.encode("utf-8", "surrogateescape"))
 
     async def healthz(_request):
         return web.json_response({"status": "ok"})
@@ -190,20 +197,29 @@ def _admin_app(runtime: Runtime) -> web.Application:
             }
         return web.json_response({"backends": out})
 
-    async def memory_view(request):
-        if not authorized(request):
-            return web.json_response({"error": "admin token required"}, status=401)
-        return web.json_response(memory_report())
+    def guarded(handler):
+        async def view(request: web.Request) -> web.Response:
+            if not authorized(request):
+                return web.json_response({"error": "admin token required"}, status=401)
+            return await handler(runtime, request)
 
-    app = web.Application()
-    app.router.add_get("/admin/memory", memory_view)
+        return view
+
+    app = web.Application(client_max_size=_ADMIN_BODY_LIMIT)
+    app.router.add_get("/admin/memory", guarded(_memory))
     app.router.add_get("/admin/models", models_view)
     app.router.add_get("/admin/backends", backends_view)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_view)
     app.router.add_post("/admin/reload", reload_view)
+    app.router.add_post("/admin/config", guarded(_dry_run))
+    app.router.add_post("/admin/explain", guarded(_explain))
     return app
+
+
+async def _memory(_runtime: Runtime, _request: web.Request) -> web.Response:
+    return web.json_response(memory_report())
 
 
 def memory_report() -> dict:
@@ -225,6 +241,41 @@ def memory_report() -> dict:
             "top": [{"where": str(s.traceback), "bytes": s.size, "count": s.count} for s in top],
         }
     return out
+
+
+async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
+    """``POST /admin/config?dry_run=1``: what a config would do to experiment assignments."""
+    if request.query.get("dry_run") != "1":
+        return web.json_response({"error": "only dry runs are served: POST /admin/config?dry_run=1; the sidecar "
+                                           "applies a config when its file changes"}, status=400)
+    try:
+        text = (await request.read()).decode("utf-8")
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response({"error": f"the config is larger than {_ADMIN_BODY_LIMIT} bytes"}, status=413)
+    except UnicodeDecodeError:
+        return web.json_response({"error": "the body must be the config's YAML text, in UTF-8"}, status=400)
+    try:
+        loaded = runtime.candidate(text)
+    except config_mod.ConfigError as exc:
+        return web.json_response(
+            {"error": "the config is invalid", "errors": exc.errors, "warnings": exc.warnings}, status=422
+        )
+    preview = experiments_diff.diff(runtime.snapshot.config, loaded.config, time.time())
+    return web.json_response({"dry_run": True, "warnings": loaded.warnings, **preview.to_dict()})
+
+
+async def _explain(runtime: Runtime, request: web.Request) -> web.Response:
+    """``POST /admin/explain``: the decision trace of a request, with live monitor data; nothing is sent."""
+    try:
+        spec = explain.RequestSpec.from_json(orjson.loads(await request.read()))
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response({"error": f"the request is larger than {_ADMIN_BODY_LIMIT} bytes"}, status=413)
+    except orjson.JSONDecodeError:
+        return web.json_response({"error": "the body must be JSON: {method, path, headers, body}"}, status=400)
+    except explain.SpecError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    doc = explain.explain(runtime.snapshot, spec, runtime.backend_states(), time.time(), time.monotonic(), live=True)
+    return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
 
 class _SinkOf:

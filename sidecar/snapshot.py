@@ -16,12 +16,19 @@ from .config import ApiKey, Backend, Config, Experiment, ModelMetadata
 
 BACKEND_HEADER = "x-model-router-backend"
 # Request headers in these namespaces belong to the router: Envoy drops any
-# client copy before the first filter, so none reaches the sidecar or a backend.
+# client copy before the first filter, so none reaches the sidecar or a backend...
 ROUTER_HEADER_PREFIXES = ("x-model-router-", "x-continuum-")
-# Response headers the router sets to attribute a request; upstream copies are dropped.
+# ...except these, which an operator sends to ask for a request's decision
+# trace: they reach the sidecar, which acts on them only with the admin
+# token, and never a backend.
+EXPLAIN_HEADER = "x-model-router-explain"
+ADMIN_TOKEN_HEADER = "x-model-router-admin-token"
+CLIENT_ROUTER_HEADERS = (EXPLAIN_HEADER, ADMIN_TOKEN_HEADER)
+# Response headers the router sets on a request; upstream copies are dropped.
 ATTRIBUTION_HEADERS = (
     "x-continuum-experiment", "x-continuum-experiment-variant",
     "x-continuum-model-variant", "x-continuum-model-variant-applied", "x-continuum-fallback-model",
+    EXPLAIN_HEADER,
 )
 
 

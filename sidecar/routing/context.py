@@ -14,6 +14,7 @@ from ..errors import Reply
 from ..ingress import Ingress
 from ..snapshot import Snapshot
 from .selection import BackendView
+from .trace import Trace
 
 
 @dataclass(frozen=True)
@@ -36,16 +37,24 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def authenticate(snap: Snapshot, headers: Mapping[str, str], family: str) -> Caller | Reply:
+def authenticate(snap: Snapshot, headers: Mapping[str, str], family: str, trace: Trace | None = None) -> Caller | Reply:
     """The key gate; with no ``api_keys`` section every caller is admitted."""
     key = presented_key(headers)
     if snap.keys is None:
+        if trace is not None:
+            trace.stage("authenticate", "admitted: no api_keys section", key_presented=key is not None)
         return Caller(key, None)
     if key is None:
+        if trace is not None:
+            trace.stage("authenticate", "refused: no API key")
         return errors.error("unauthorized", "An API key is required (Authorization: Bearer or x-api-key).", family)
     entry = snap.keys.get(key)
     if entry is None:
+        if trace is not None:
+            trace.stage("authenticate", "refused: the key is not in api_keys")
         return errors.error("unauthorized", "The API key is not valid.", family)
+    if trace is not None:
+        trace.stage("authenticate", f"admitted as key id {entry.id}", key_id=entry.id)
     return Caller(key, entry)
 
 
@@ -66,6 +75,7 @@ class Request:
     random_bytes: Callable[[int], bytes] = os.urandom
     states: Mapping[str, BackendView] = field(default_factory=dict)  # backend -> monitor state
     mono: float = 0.0  # monotonic clock, the monitor's time base
+    trace: Trace | None = None  # filled by every stage when set (explain)
 
 
 @dataclass

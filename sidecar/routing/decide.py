@@ -14,11 +14,12 @@ from .. import errors
 from ..assignment import is_blank
 from ..body import BodyError, replace_field, replace_query_model, set_top_level
 from ..errors import Reply
-from ..snapshot import BackendInfo, Snapshot
+from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
 from . import selection
 from .context import Parsed, Request, parse, sticky_value
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .suffixes import SUFFIXES, Suffix, split, supported
+from .trace import AttemptTrace, Trace
 
 Edits = dict[str, Any]  # top-level body fields to set
 
@@ -33,13 +34,20 @@ class _Target:
 
 
 def decide(snap: Snapshot, req: Request) -> Route | Reply:
+    """The decision; with ``req.trace`` set, every stage records what it saw and concluded."""
     family = req.ingress.family
+    trace = req.trace
     try:
         parsed = parse(req)
     except BodyError as exc:
+        if trace is not None:
+            trace.stage("parse", f"refused: {exc}")
         return errors.error(exc.kind, str(exc), family, param=exc.param)
+    if trace is not None:
+        trace.stage("parse", f"the request names model '{parsed.model}'", model=parsed.model,
+                    ingress=req.ingress.path, family=family)
     requested, client_model, word = _names(snap, req, parsed.model)
-    refusal = _key_gate(req, client_model, requested) or _reservation(snap, client_model, parsed.model, family)
+    refusal = _key_gate(req, client_model, requested) or _reservation(snap, req, client_model, parsed.model)
     if refusal is not None:
         return refusal
     plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens")
@@ -61,25 +69,39 @@ def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | Non
     """model_aliases (on the ingresses that honour them), then a variant suffix
     (on those that read them; the exact name wins): (requested, base, suffix)."""
     requested = snap.aliases.get(sent, sent) if req.ingress.aliases else sent
-    if req.ingress.suffixes and snap.config.proxy.variant_suffixes.enabled:
-        base, word = split(snap, requested)
-        return requested, base, word
-    return requested, requested, None
+    suffixes = req.ingress.suffixes and snap.config.proxy.variant_suffixes.enabled
+    base, word = split(snap, requested) if suffixes else (requested, None)
+    if req.trace is not None:
+        verdict = f"'{sent}'" + (f" -> '{requested}' by model_aliases" if requested != sent else "")
+        if word is not None:
+            verdict += f"; variant suffix ':{word}' on base '{base}'"
+        req.trace.stage("names", verdict, sent=sent, after_aliases=requested, base=base, suffix=word,
+                        aliases_read=req.ingress.aliases, suffixes_read=suffixes)
+    return requested, base, word
 
 
 def _key_gate(req: Request, client_model: str, requested: str) -> Reply | None:
     """The per-key model gate judges the client-facing (base) name."""
     key = req.caller.key
-    if key is not None and key.allowed_models is not None and client_model not in key.allowed_models:
-        return errors.model_not_permitted(requested, req.ingress.family)
-    return None
+    allowed = key.allowed_models if key is not None else None
+    refused = allowed is not None and client_model not in allowed
+    if req.trace is not None:
+        verdict = "pass: the key has no allowed_models" if allowed is None else (
+            f"refused: '{client_model}' is not in the key's allowed_models" if refused
+            else f"pass: '{client_model}' is in the key's allowed_models")
+        req.trace.stage("key_gate", verdict, allowed_models=allowed)
+    return errors.model_not_permitted(requested, req.ingress.family) if refused else None
 
 
-def _reservation(snap: Snapshot, client_model: str, sent: str, family: str) -> Reply | None:
+def _reservation(snap: Snapshot, req: Request, client_model: str, sent: str) -> Reply | None:
     """A reserved variant model named outside its experiment is answered
     exactly like a model the router does not have."""
     reserving = reserved_by(snap, client_model)
-    return errors.model_not_found(sent, family, reserved_by=reserving) if reserving is not None else None
+    if req.trace is not None:
+        req.trace.stage("reservation", "not reserved" if reserving is None else (
+            f"refused: reserved by the hidden experiment '{reserving}', answered as an unknown model"),
+            reserved_by=reserving)
+    return errors.model_not_found(sent, req.ingress.family, reserved_by=reserving) if reserving is not None else None
 
 
 def _experiment(
@@ -90,10 +112,18 @@ def _experiment(
     allowed = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
     info = snap.experiments.get(client_model) if req.ingress.experiments else None
     if info is None:
+        if req.trace is not None:
+            req.trace.stage("experiment", f"none: '{client_model}' is not an experiment's client model"
+                            if req.ingress.experiments else "none: this endpoint dispatches the name literally",
+                            experiment=None, backends=_sorted(allowed))
         return _Target(client_model, allowed, may_fall_back=True)
     exp = info.config
     sticky = sticky_value(exp, req, parsed)
-    variant = exp.variants[info.race.pick(info.prefix, sticky, exp.sticky_ttl, req.now, req.random_bytes)]
+    if req.trace is None:
+        index = info.race.pick(info.prefix, sticky, exp.sticky_ttl, req.now, req.random_bytes)
+    else:
+        index = _traced_arm(req.trace, info, sticky, req)
+    variant = exp.variants[index]
     plan.experiment, plan.variant = exp.name, variant.id
     plan.assignment = "random" if is_blank(sticky) else "sticky"
     plan.attribute = exp.response_headers
@@ -101,18 +131,54 @@ def _experiment(
     plan.read_usage = req.ingress.usage
     if variant.backends is not None:
         allowed = set(variant.backends) if allowed is None else allowed & set(variant.backends)
-        if not allowed:
-            return errors.model_not_permitted(requested, req.ingress.family)
+    if req.trace is not None:  # the experiment stage _traced_arm recorded
+        req.trace.stages[-1].update(pin=variant.backends, backends=_sorted(allowed), fallback=exp.fallback)
+    if variant.backends is not None and not allowed:
+        return errors.model_not_permitted(requested, req.ingress.family)
     return _Target(variant.model, allowed, may_fall_back=exp.fallback == "cross_variant")
 
 
-def _candidates(snap: Snapshot, name: str, allowed: set[str] | None) -> tuple[str, list[BackendInfo]]:
+def _traced_arm(trace: Trace, info: ExperimentInfo, sticky: str | None, req: Request) -> int:
+    """The arm, with every arm's score for this caller (the race ``pick`` runs)."""
+    exp = info.config
+    a = info.race.assign(info.prefix, sticky, exp.sticky_ttl, req.now, req.random_bytes)
+    winner = exp.variants[a.variant_index]
+    how = "sticky" if a.sticky else "random"
+    trace.stage(
+        "experiment", f"{exp.name}: arm {winner.id} ({how}), model '{winner.model}'",
+        experiment=exp.name, sticky_key=exp.sticky_key,
+        sticky_value=sticky if exp.sticky_key != "api_key" else None, assignment=how,
+        sticky_ttl=exp.sticky_ttl, window=a.window, unix_time=req.now, arm=winner.id, model=winner.model,
+        scores=[
+            {"variant_id": sc.variant_id, "model": v.model, "weight": sc.weight,
+             "u": None if sc.weight == 0 else sc.u, "score": sc.score if sc.weight > 0 else None}
+            for sc, v in zip(a.scores, exp.variants)
+        ],
+    )
+    return a.variant_index
+
+
+def _sorted(backends: set[str] | None) -> list[str] | None:
+    return None if backends is None else sorted(backends)
+
+
+def _candidates(
+    snap: Snapshot, name: str, allowed: set[str] | None, rec: AttemptTrace | None,
+) -> tuple[str, list[BackendInfo]]:
     """Metadata alias dispatch, then the backends that serve the model and that
     the request may use: (the id to dispatch, those backends)."""
     model, serving = snap.resolve(name)
-    return model, [
-        snap.backends[n] for n in serving if not snap.backends[n].internal and (allowed is None or n in allowed)
-    ]
+    out = []
+    for n in serving:
+        b = snap.backends[n]
+        if not b.internal and (allowed is None or n in allowed):
+            out.append(b)
+        elif rec is not None:
+            rec.candidate(n)["reason"] = "internal" if b.internal else "not allowed"
+            rec.verdict(n, "not a candidate: " + ("internal" if b.internal else "outside the allowed backends"))
+    if rec is not None:
+        rec.model = model
+    return model, out
 
 
 def _select(
@@ -121,7 +187,9 @@ def _select(
 ) -> tuple[str, BackendInfo, Edits] | Reply:
     """The first attempt, then the hops of the fallback chain: (model, backend, body edits)."""
     family = req.ingress.family
-    model, candidates = _candidates(snap, target.model, target.allowed)
+    trace = req.trace
+    rec = trace.attempt(target.model, "first") if trace is not None else None
+    model, candidates = _candidates(snap, target.model, target.allowed, rec)
     if not candidates:
         if any(not snap.backends[n].internal for n in snap.resolve(target.model)[1]):
             return errors.model_not_permitted(requested, family)
@@ -130,27 +198,52 @@ def _select(
     data = parsed.json or {}
     edits: Edits = {}
     if suffix is not None:
-        checked = _suffix_checks(snap, model, candidates, suffix, data, requested, word or "", family)
+        checked = _suffix_checks(snap, model, candidates, suffix, data, requested, word or "", family, rec)
         if isinstance(checked, Reply):
             return checked
         candidates, edits = checked
         plan.suffix, plan.rewrite_model = word, requested
     ctx = selection.Context(snap, req.states, req.mono, req.pick, req.rand)
     ranker = suffix.ranker if suffix is not None else None
-    first = selection.select(ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data))
+    first = selection.select(
+        ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
+    )
     if first is not None:
         plan.suffix_applied = first.ranked or ranker is None
         return model, first.backend, edits
-    if target.may_fall_back and not (suffix is not None and suffix.online):
-        for hop in fallback_hops(snap, target.model, model):
-            hop_model, hop_candidates = _candidates(snap, hop, target.allowed)
-            chosen = selection.select(ctx, selection.Attempt(hop_model, hop_candidates, body=data)) if hop_candidates else None
-            if chosen is not None:
-                # A hop dispatches another model: it inherits no suffix.
-                plan.suffix_applied = suffix is None
-                plan.fallback = Fallback(target.model, hop_model, "no_admissible_backend", hop_model not in snap.reserved)
-                return hop_model, chosen.backend, {}
+    online = suffix is not None and suffix.online
+    if target.may_fall_back and not online:
+        hop = _fall_back(snap, req, ctx, target, model, data)
+        if hop is not None:
+            hop_model, backend = hop
+            # A hop dispatches another model: it inherits no suffix.
+            plan.suffix_applied = suffix is None
+            plan.fallback = Fallback(target.model, hop_model, "no_admissible_backend", hop_model not in snap.reserved)
+            return hop_model, backend, {}
+    elif trace is not None:
+        trace.stage("fallback", "not tried: :online requests do not fall back" if online
+                    else "not tried: the experiment's fallback is within_variant")
     return errors.error("no_backend", f"No healthy backend can serve the model '{requested}' right now.", family)
+
+
+def _fall_back(
+    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, model: str, data: Edits,
+) -> tuple[str, BackendInfo] | None:
+    """The first hop of the chain with an admissible backend: (its model, the backend)."""
+    hops = fallback_hops(snap, target.model, model)
+    trace = req.trace
+    served = None
+    for n, hop in enumerate(hops, 1):
+        rec = trace.attempt(hop, f"fallback hop {n}") if trace is not None else None
+        hop_model, hop_candidates = _candidates(snap, hop, target.allowed, rec)
+        chosen = selection.select(ctx, selection.Attempt(hop_model, hop_candidates, body=data), rec) if hop_candidates else None
+        if chosen is not None:
+            served = hop_model, chosen.backend
+            break
+    if trace is not None:
+        trace.stage("fallback", f"hop '{served[0]}' served" if served else (
+            "every hop failed" if hops else "no fallback chain"), chain=hops)
+    return served
 
 
 def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
@@ -166,7 +259,7 @@ def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
 
 def _suffix_checks(
     snap: Snapshot, model: str, candidates: list[BackendInfo], suffix: Suffix, data: Edits, requested: str,
-    word: str, family: str,
+    word: str, family: str, rec: AttemptTrace | None,
 ) -> tuple[list[BackendInfo], Edits] | Reply:
     """Refusals a suffix can cause before anything is chosen, and its edits."""
     if not supported(snap, model, suffix):
@@ -178,7 +271,13 @@ def _suffix_checks(
         # backends it may add a tool to.
         if data.get("stream") is True:
             return _unsupported(requested, word, family)
-        candidates = [b for b in candidates if not b.config.commercial and b.family == "openai"]
+        usable = [b for b in candidates if not b.config.commercial and b.family == "openai"]
+        if rec is not None:
+            for b in candidates:
+                if b not in usable:
+                    rec.candidate(b.name)["reason"] = "online"
+                    rec.verdict(b.name, "not a candidate: :online needs a non-commercial OpenAI-family backend")
+        candidates = usable
         if not candidates:
             return _unsupported(requested, word, family)
     return candidates, {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..snapshot import BackendInfo, Snapshot
+from .trace import AttemptTrace
 
 
 class BackendView(Protocol):
@@ -34,30 +35,54 @@ class Load:
     waiting: float | None = None
 
 
+def fresh(state: BackendView, now: float, freshness_s: float) -> bool:
+    """Whether the backend's latest scrape is at most ``freshness_s`` old."""
+    return state.scraped_at is not None and now - state.scraped_at <= freshness_s
+
+
 def fresh_load(state: BackendView | None, now: float, freshness_s: float) -> Load:
-    if state is None or state.scraped_at is None or now - state.scraped_at > freshness_s:
+    if state is None or not fresh(state, now, freshness_s):
         return Load()
     return Load(state.throughput_tps, state.waiting)
+
+
+def _healthy(state: BackendView, now: float, max_waiting: int | None, freshness_s: float | None) -> bool:
+    """Healthy by the last active probe."""
+    return state.healthy
+
+
+def _not_held_out(state: BackendView, now: float, max_waiting: int | None, freshness_s: float | None) -> bool:
+    """Not held out after a failed answer (passive health)."""
+    return state.held_out_until <= now
+
+
+def _not_saturated(state: BackendView, now: float, max_waiting: int | None, freshness_s: float | None) -> bool:
+    """Not more than ``max_waiting`` queued requests by a scrape at most
+    ``freshness_s`` old (any age when None); an unknown queue never blocks."""
+    if max_waiting is None or state.waiting is None or state.scraped_at is None:
+        return True
+    if freshness_s is not None and now - state.scraped_at > freshness_s:
+        return True
+    return state.waiting <= max_waiting
+
+
+Filter = Callable[[BackendView, float, int | None, float | None], bool]
+HOLDOUT = "holdout"
+FILTERS: tuple[tuple[str, Filter], ...] = (("health", _healthy), (HOLDOUT, _not_held_out), ("saturation", _not_saturated))
 
 
 def admissible(
     state: BackendView | None, now: float, max_waiting: int | None, freshness_s: float | None = None,
     holdout: bool = True,
 ) -> bool:
-    """The one admission rule: healthy, not held out after a failure (unless
-    ``holdout`` is False), and not saturated. Saturated means more than
-    ``max_waiting`` queued requests by a scrape at most ``freshness_s`` old (any
-    age when None); an unknown queue never blocks, and neither does a backend
-    the monitor does not know."""
+    """The one admission rule: every filter passes (the hold-out only when
+    ``holdout``). A backend the monitor does not know is admitted."""
     if state is None:
         return True
-    if not state.healthy or (holdout and state.held_out_until > now):
-        return False
-    if max_waiting is None or state.waiting is None or state.scraped_at is None:
-        return True
-    if freshness_s is not None and now - state.scraped_at > freshness_s:
-        return True
-    return state.waiting <= max_waiting
+    for name, passes in FILTERS:
+        if not passes(state, now, max_waiting, freshness_s) and (holdout or name != HOLDOUT):
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,21 +111,35 @@ class Context:
     rand: float  # uniform in [0, 1)
 
 
-def select(ctx: Context, attempt: Attempt) -> Selection | None:
-    """The pipeline; None when no backend is admitted."""
-    candidates = _admitted(ctx, list(attempt.candidates))
+def select(ctx: Context, attempt: Attempt, rec: AttemptTrace | None = None) -> Selection | None:
+    """The pipeline; None when no backend is admitted. ``rec`` records each step's verdicts."""
+    candidates = _admitted(ctx, list(attempt.candidates), rec)
     if not candidates:
         return None
     preferred = next((b for b in candidates if b.name == attempt.preferred), None) if attempt.preferred else None
+    if rec is not None and attempt.preferred:
+        rec.steps["preferred"] = {"backend": attempt.preferred, "won": preferred is not None}
     if preferred is not None:
-        return Selection(preferred, ranked=False)
+        return _chosen(rec, preferred, Selection(preferred, ranked=False))
     ranked = False
     if attempt.ranker is not None:
-        candidates, ranked = RANKERS[attempt.ranker](ctx, attempt, candidates)
-    return Selection(_pick(ctx, candidates), ranked)
+        candidates, ranked = _rank(ctx, attempt, candidates, rec)
+    picked = _pick(ctx, candidates)
+    if rec is not None:
+        rec.steps["picker"] = {"strategy": ctx.snap.config.proxy.selection, "among": [b.name for b in candidates]}
+    return _chosen(rec, picked, Selection(picked, ranked))
 
 
-def _admitted(ctx: Context, candidates: list[BackendInfo]) -> list[BackendInfo]:
+def _chosen(rec: AttemptTrace | None, backend: BackendInfo, selection: Selection) -> Selection:
+    if rec is not None:
+        rec.chosen = backend.name
+        rec.verdict(backend.name, "chosen")
+        for name in rec.candidates:
+            rec.verdict(name, "admitted, not picked")
+    return selection
+
+
+def _admitted(ctx: Context, candidates: list[BackendInfo], rec: AttemptTrace | None) -> list[BackendInfo]:
     """Health and saturation; the passive hold-out too, unless it would hold
     out every candidate: one bad answer from a lone backend does not refuse
     all of its traffic."""
@@ -112,40 +151,127 @@ def _admitted(ctx: Context, candidates: list[BackendInfo]) -> list[BackendInfo]:
         ]
         if admitted:
             break
+    if rec is not None:
+        for b in candidates:
+            _record_filters(ctx, rec, b, holdout)
     return admitted
 
 
-Ranker = Callable[[Context, Attempt, list[BackendInfo]], tuple[list[BackendInfo], bool]]
+def _record_filters(ctx: Context, rec: AttemptTrace, b: BackendInfo, holdout: bool) -> None:
+    state = ctx.states.get(b.name)
+    entry = rec.candidate(b.name)
+    if state is None:  # admissible() admits a backend the monitor does not know
+        entry["filters"] = {name: "pass" for name, _ in FILTERS}
+        entry["monitor"] = None
+        return
+    mon = ctx.snap.config.monitor
+    verdicts = {}
+    for name, passes in FILTERS:
+        if passes(state, ctx.now, mon.max_waiting, mon.freshness_s):
+            verdicts[name] = "pass"
+        elif name == HOLDOUT and not holdout:
+            verdicts[name] = "ignored: it would exclude every candidate"
+        else:
+            verdicts[name] = "fail"
+            entry.setdefault("reason", name)
+            rec.verdict(b.name, f"excluded by the {name} filter")
+    entry["filters"] = verdicts
+    entry["monitor"] = {
+        "healthy": state.healthy, "held_out_s": max(0.0, state.held_out_until - ctx.now),
+        "waiting": state.waiting, "max_waiting": mon.max_waiting,
+        "scrape_age_s": None if state.scraped_at is None else ctx.now - state.scraped_at,
+    }
 
 
-def by_throughput(ctx: Context, attempt: Attempt, candidates: list[BackendInfo]) -> tuple[list[BackendInfo], bool]:
-    """``:nitro``: the highest fresh generation throughput."""
-    freshness = ctx.snap.config.monitor.freshness_s
-    rated = [(tps, b) for b in candidates
-             if (tps := fresh_load(ctx.states.get(b.name), ctx.now, freshness).throughput) is not None]
-    if not rated:
+Key = tuple[float, ...]  # a ranker's measurement; equal keys tie
+
+
+@dataclass(frozen=True, slots=True)
+class Ranker:
+    """Measures each candidate (None: no statement about it) and keeps those
+    tied at the best measurement; ``facts`` says what a measurement rests on."""
+
+    name: str
+    measure: Callable[[Context, Attempt, list[BackendInfo]], list[Key | None]]
+    best: Callable[[list[Key]], Key]
+    facts: Callable[[Context, Attempt, BackendInfo, Key | None], dict[str, object]]
+
+
+def _rank(
+    ctx: Context, attempt: Attempt, candidates: list[BackendInfo], rec: AttemptTrace | None,
+) -> tuple[list[BackendInfo], bool]:
+    ranker = RANKERS[attempt.ranker or ""]
+    keys = ranker.measure(ctx, attempt, candidates)
+    rated = [(k, b) for k, b in zip(keys, candidates) if k is not None]
+    best = ranker.best([k for k, _ in rated]) if rated else None
+    if rec is not None:
+        rec.steps["ranker"] = {"name": ranker.name, "applied": best is not None}
+        for k, b in zip(keys, candidates):
+            facts = ranker.facts(ctx, attempt, b, k)
+            rec.candidate(b.name)["ranker"] = facts
+            if best is not None and k != best:
+                reason = str(facts["missing"]) if k is None else f"lower {ranker.name}"
+                rec.candidate(b.name)["reason"] = reason
+                rec.verdict(b.name, f"excluded by the {ranker.name} ranker: {reason}")
+    if best is None:
         return candidates, False
-    best = max(t for t, _ in rated)
-    return [b for t, b in rated if t == best], True
+    return [b for k, b in rated if k == best], True
 
 
-def by_cost(ctx: Context, attempt: Attempt, candidates: list[BackendInfo]) -> tuple[list[BackendInfo], bool]:
-    """``:floor``: the lowest estimated price of this request."""
-    cfg = ctx.snap.config
+def _throughputs(ctx: Context, attempt: Attempt, candidates: list[BackendInfo]) -> list[Key | None]:
+    """``:nitro``: the fresh generation throughput."""
+    freshness = ctx.snap.config.monitor.freshness_s
+    out: list[Key | None] = []
+    for b in candidates:
+        tps = fresh_load(ctx.states.get(b.name), ctx.now, freshness).throughput
+        out.append(None if tps is None else (tps,))
+    return out
+
+
+def _throughput_facts(ctx: Context, attempt: Attempt, b: BackendInfo, key: Key | None) -> dict[str, object]:
+    freshness = ctx.snap.config.monitor.freshness_s
+    state = ctx.states.get(b.name)
+    facts: dict[str, object] = {
+        "throughput_tps": None if key is None else key[0],
+        "scrape_age_s": None if state is None or state.scraped_at is None else ctx.now - state.scraped_at,
+        "freshness_s": freshness,
+    }
+    if key is None:
+        facts["missing"] = (
+            "no monitor data" if state is None else "never scraped" if state.scraped_at is None
+            else "stale" if not fresh(state, ctx.now, freshness) else "no throughput figure"
+        )
+    return facts
+
+
+def _costs(ctx: Context, attempt: Attempt, candidates: list[BackendInfo]) -> list[Key | None]:
+    """``:floor``: the estimated price of this request, then the output price."""
     meta = ctx.snap.meta(attempt.model)
-    prompt, out = estimate_tokens(attempt.body or {}, cfg.proxy.variant_suffixes.default_output_tokens)
-    priced = []
+    prompt, out = estimate_tokens(attempt.body or {}, ctx.snap.config.proxy.variant_suffixes.default_output_tokens)
+    keys: list[Key | None] = []
     for b in candidates:
         price = meta.price_on(b.name) if meta is not None else None
-        if price is not None:
-            priced.append(((prompt * price.input + out * price.output, price.output), b))
-    if not priced:
-        return candidates, False
-    best = min(k for k, _ in priced)
-    return [b for k, b in priced if k == best], True
+        keys.append(None if price is None else (prompt * price.input + out * price.output, price.output))
+    return keys
 
 
-RANKERS: dict[str, Ranker] = {"throughput": by_throughput, "cost": by_cost}
+def _cost_facts(ctx: Context, attempt: Attempt, b: BackendInfo, key: Key | None) -> dict[str, object]:
+    prompt, out = estimate_tokens(attempt.body or {}, ctx.snap.config.proxy.variant_suffixes.default_output_tokens)
+    facts: dict[str, object] = {
+        "estimated_cost_usd": None if key is None else key[0] / 1e6,
+        "output_price": None if key is None else key[1],
+        "prompt_tokens": prompt,
+        "output_tokens": out,
+    }
+    if key is None:
+        facts["missing"] = "no price"
+    return facts
+
+
+RANKERS: dict[str, Ranker] = {
+    "throughput": Ranker("throughput", _throughputs, max, _throughput_facts),
+    "cost": Ranker("cost", _costs, min, _cost_facts),
+}
 
 
 def estimate_tokens(body: Mapping[str, object], default_output: int) -> tuple[int, int]:
