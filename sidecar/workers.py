@@ -78,7 +78,6 @@ class _Child:
     fd: int
     standby: bool  # on the slot's second gRPC port
     buffer: bytes = b""
-    ready: bool = False
 
 
 @dataclass
@@ -162,7 +161,6 @@ class Supervisor:
 
     def _event(self, slot: _Slot, child: _Child, event: str, now: float) -> None:
         if event == "ready":
-            child.ready = True
             if child is slot.replacement:
                 old, slot.current, slot.replacement = slot.current, child, None
                 if old is not None:

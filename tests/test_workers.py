@@ -154,9 +154,10 @@ def test_recycling_under_load_fails_no_request(tmp_path):
         deadline = time.monotonic() + 30
         while len(children(supervisor)) > 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(children(supervisor)) == 1, "a drained worker does not exit"
+        log = stack.log("sidecar-supervisor")[-3000:]
+        assert len(children(supervisor)) == 1, f"a drained worker does not exit:\n{log}"
         recycles = worker_metric(stack, 0, "model_router_worker_restarts", reason="recycle")
-        assert recycles >= 3, f"only {recycles} recycles"
+        assert recycles >= 3, f"only {recycles} recycles:\n{log}"
         assert worker_metric(stack, 0, "model_router_worker_restarts", reason="crash") == 0
         assert set(load.outcomes) == {"ok"}, load.outcomes
         served = load.outcomes["ok"]
