@@ -135,12 +135,12 @@ class Processor(pbg.ExternalProcessorServicer):
         self._counter = 0
         self._rand = random.Random(os.urandom(16))
         self.in_flight = 0
+        metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
     async def Process(self, request_iterator, context):
         st = _Stream()
         response: ResponseStream | None = None
         self.in_flight += 1
-        metrics.IN_FLIGHT.set(self.in_flight)
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
@@ -189,7 +189,6 @@ class Processor(pbg.ExternalProcessorServicer):
             raise
         finally:
             self.in_flight -= 1
-            metrics.IN_FLIGHT.set(self.in_flight)
 
     # ------------------------------------------------------------------ request
 
