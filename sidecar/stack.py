@@ -7,6 +7,7 @@ the same class, so what a newcomer runs is what the tests exercise.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,10 +38,17 @@ def port_free(addr: str) -> bool:
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
-    """The first of ``count`` consecutive free ports."""
-    for _ in range(100):
-        first = free_port(host)
-        if first + count <= 65536 and all(port_free(f"{host}:{first + i}") for i in range(1, count)):
+    """The first of ``count`` consecutive free ports, below the kernel's
+    ephemeral range: a port that is free now but ephemeral may become some
+    outgoing connection's local port before a worker binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(10000, max(10001, low - count))
+        if all(port_free(f"{host}:{first + i}") for i in range(count)):
             return first
     raise StackError(f"no {count} consecutive free ports on {host}")
 

@@ -174,9 +174,11 @@ class Supervisor:
 
     def _check(self, slot: _Slot, now: float) -> None:
         slot.retiring = [c for c in slot.retiring if not self._reaped(c)]
-        if slot.recycle_due and slot.current is not None and slot.replacement is None and not slot.retiring:
+        waited = slot.restart_at is None or now >= slot.restart_at
+        if slot.recycle_due and slot.current is not None and slot.replacement is None and not slot.retiring and waited:
             # (A worker still draining holds the other port: the recycle waits for it.)
             slot.recycle_due = False
+            slot.restart_at = None
             slot.recycles += 1
             slot.replacement = self._spawn(slot, standby=not slot.current.standby)
         if slot.replacement is not None and self._reaped(slot.replacement):
@@ -184,6 +186,7 @@ class Supervisor:
                       slot.index, slot.replacement.popen.returncode)
             slot.replacement = None
             self._crashed(slot, now)
+            slot.recycle_due = not slot.gave_up  # try again after the backoff
         if slot.current is not None and self._reaped(slot.current):
             log.error("worker %d (pid %d) exited (%s)", slot.index, slot.current.popen.pid,
                       slot.current.popen.returncode)

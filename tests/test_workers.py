@@ -250,3 +250,27 @@ def test_with_the_sidecar_down_requests_fail_closed_or_pass_untouched(tmp_path, 
             assert r.status_code == 503, r.text
             assert r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "upstream_unavailable"
+
+
+def test_a_recycle_whose_port_is_taken_is_tried_again(tmp_path):
+    stack = supervised_stack(tmp_path, workers=1, recycle=100)
+    host, _, port = stack.sidecar_grpc[0].rpartition(":")
+    squatter = socket.socket()
+    squatter.bind((host, int(port) + 1))  # the slot's second port, where the replacement goes
+    squatter.listen()
+    try:
+        with Load(stack.url) as load:
+            deadline = time.monotonic() + 60
+            while "replacement exited" not in stack.log("sidecar-supervisor") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "replacement exited" in stack.log("sidecar-supervisor")
+            squatter.close()
+            while time.monotonic() < deadline:
+                if "recycled" in stack.log("sidecar-supervisor"):
+                    break
+                time.sleep(0.1)
+        assert "recycled" in stack.log("sidecar-supervisor"), stack.log("sidecar-supervisor")[-3000:]
+        assert set(load.outcomes) == {"ok"}, load.outcomes
+    finally:
+        squatter.close()
+        stack.close()
