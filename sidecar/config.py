@@ -392,6 +392,23 @@ class Metering(_Model):
     usage_records: str | None = None
 
 
+class RedisSettings(_Model):
+    """One Redis shared by the replicas' cache, limits and response affinity."""
+
+    url: str  # redis://[:password@]host:port/db, rediss:// for TLS
+    timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 50  # each call; past it the feature acts without Redis
+    max_connections: Annotated[int, Field(ge=1, le=10_000)] = 64
+    key_prefix: str = "model-router:"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
+            raise ValueError("must be redis://host:port[/db], rediss://... or unix:///path")
+        return v
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -406,6 +423,7 @@ class Config(_Model):
     # A model's ordered fallback models, tried when it has no admissible backend.
     fallback_chains: dict[ModelName, list[ModelName]] = {}
     metering: Metering = Metering()
+    redis: RedisSettings | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from hypothesis import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.stack import Stack, StackError
+from tests.servers import RedisServer
 
 # Property tests explore new inputs on every local run; under CI they draw the
 # same inputs every time, so a red run reproduces and a green one stays green.
@@ -48,6 +49,14 @@ def stack_factory(tmp_path_factory):
     yield make
     for s in stacks:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real ``redis-server`` on a free loopback port, stopped at module end."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 def demo_requests(stack: Stack, backend: str) -> list[dict]:

@@ -1,0 +1,112 @@
+"""Server binaries the tests start (Redis, Prometheus), and their installer.
+
+``python -m tests.servers`` installs whichever of them is missing from Debian's
+packages; the README's test command runs it before pytest so a fresh machine
+passes. The fixtures start each server on a free loopback port and stop it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.stack import free_port
+
+# binary -> the Debian package that ships it
+BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus"}
+
+
+def missing() -> dict[str, str]:
+    return {b: pkg for b, pkg in BINARIES.items() if shutil.which(b) is None}
+
+
+def install() -> int:
+    need = sorted(set(missing().values()))
+    if not need:
+        print("servers: " + ", ".join(f"{b}={shutil.which(b)}" for b in BINARIES))
+        return 0
+    if shutil.which("apt-get") is None:
+        print(f"servers: missing {', '.join(need)} and no apt-get to install them", file=sys.stderr)
+        return 1
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    print(f"servers: installing {', '.join(need)} from Debian's packages", flush=True)
+    steps = [[*sudo, "apt-get", "update", "-qq"],
+             [*sudo, "apt-get", "install", "-y", "-qq", "--no-install-recommends", *need]]
+    for step in steps:
+        done = subprocess.run(step, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            print(f"servers: {' '.join(step)} failed:\n{done.stderr}", file=sys.stderr)
+            return 1
+    still = missing()
+    if still:
+        print(f"servers: still missing after install: {', '.join(still)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` on a free loopback port, with no persistence."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: run `python -m tests.servers`")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / f"redis-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--protected-mode", "yes"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {log.name}")
+            if self.ping():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    def ping(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; ``start()`` brings it back on the same port."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(install())
