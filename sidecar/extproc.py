@@ -33,7 +33,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
 from .errors import Reply
-from .ingress import canonical, family_for, lookup
+from .ingress import canonical, family_for, follow_up, lookup
 from .ingress import listing_path as listing_of
 from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
 from .rewrite import rewrite_json_body
@@ -221,6 +221,8 @@ class Processor(pbg.ExternalProcessorServicer):
         length = h.get("content-length")
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
+        if ingress is None and (about := follow_up(st.path)) is not None:
+            return self._follow_up(st, *about)
         if ingress is None:
             listing_path = listing_of(st.path)
             if listing_path is not None:
@@ -255,6 +257,14 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(route, st)
         metrics.DECISIONS.labels("passthrough").inc()
         return self._routed(st, route, phase)
+
+    def _follow_up(self, st: _Stream, response_id: str, about: str) -> pb.ProcessingResponse:
+        """A call about one stored response, routed by its id at the headers."""
+        route = routing.follow_up(st.snap, st.path, response_id, about, st.caller)
+        if isinstance(route, Reply):
+            return self._refuse(route, st)
+        metrics.DECISIONS.labels("follow_up").inc()
+        return self._routed(st, route, phase="headers")
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:

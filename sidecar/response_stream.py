@@ -47,6 +47,7 @@ class Rewrite:
     model: str | None  # the top-level model to write, None: leave it
     family: str
     strip_usage: bool  # remove the usage the router injected into a stream
+    id_tag: str | None = None  # put before Responses API ids (sidecar.response_ids)
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -58,9 +59,10 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     model = fields["rewrite_model"].string_value if "rewrite_model" in fields else ""
     strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
     family = fields["family"].string_value if "family" in fields else "openai"
-    if not model and not strip:
+    tag = fields["id_tag"].string_value if "id_tag" in fields else ""
+    if not model and not strip and not tag:
         return None
-    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip)
+    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, tag or None)
 
 
 def usage_metadata(usage: Usage) -> struct_pb2.Struct:
@@ -97,7 +99,8 @@ class ResponseStream:
             return resp
         ctype = h.get("content-type", "").lower()
         if ctype.startswith("text/event-stream"):
-            self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage)
+            self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage,
+                                        id_tag=self.plan.id_tag)
         elif "json" not in ctype:
             return resp
         length = h.get("content-length")
@@ -145,12 +148,12 @@ class ResponseStream:
 
     def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
         """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""
-        model, family = self.plan.model, self.plan.family
+        model, family, tag = self.plan.model, self.plan.family, self.plan.id_tag
         if self.buffered:
             if self.rewriter is not None:
                 out = self.rewriter.feed(msg.body) + self.rewriter.finish()
                 return out, self.rewriter.usage
-            return rewrite_json_body(msg.body, model, family)
+            return rewrite_json_body(msg.body, model, family, tag)
         if self.rewriter is not None:
             out = self.rewriter.feed(msg.body)
             if msg.end_of_stream:
@@ -164,7 +167,7 @@ class ResponseStream:
                 self.buffer = None
                 return out, None
             if msg.end_of_stream:
-                out, usage = rewrite_json_body(bytes(self.buffer), model, family)
+                out, usage = rewrite_json_body(bytes(self.buffer), model, family, tag)
                 self.buffer = None
                 return out, usage
             return b"", None

@@ -15,7 +15,7 @@ class ResponsePlan:
     Envoy as dynamic metadata, and what (if anything) must change in it."""
 
     family: str
-    kind: str = "routed"  # routed | count_tokens (counted for tokens only)
+    kind: str = "routed"  # routed | count_tokens (counted for tokens only) | follow_up (about a stored response)
     rewrite_model: str | None = None  # top-level model to write into the response
     read_usage: bool = False  # the response's token usage is counted
     strip_injected_usage: bool = False
@@ -26,12 +26,13 @@ class ResponsePlan:
     suffix: str | None = None  # nitro | floor | thinking | online
     suffix_applied: bool = True
     fallback: Fallback | None = None
+    id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
 
     @property
     def needs_response(self) -> bool:
         """Whether the response body itself must change (the only reason the
         sidecar sees a response)."""
-        return self.rewrite_model is not None or self.strip_injected_usage
+        return self.rewrite_model is not None or self.strip_injected_usage or self.id_tag is not None
 
     def metadata(self) -> Meta:
         """The decision as Envoy dynamic metadata: read back by the access log
@@ -53,6 +54,8 @@ class ResponsePlan:
                 m["x_fallback_model"] = self.fallback.served
         if self.needs_response:
             m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
+            if self.id_tag is not None:
+                m["id_tag"] = self.id_tag
         return m
 
 
