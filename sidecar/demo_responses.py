@@ -13,6 +13,7 @@ finishes it (``completed``) and a cancel before that makes it ``cancelled``.
 from __future__ import annotations
 
 import collections
+import hashlib
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +28,9 @@ class ResponsesAPI:
 
     def __init__(self, engine: _Engine) -> None:
         self.engine = engine
+        # Ids differ between engines, as real engines' random ids do, so a call
+        # that reaches the wrong engine cannot find a response by chance.
+        self.token = hashlib.sha256(engine.name.encode()).hexdigest()[:8]
         self.stored: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self.inputs: dict[str, list[dict[str, Any]]] = {}
 
@@ -81,7 +85,7 @@ class ResponsesAPI:
         output_tokens = len(words) if cap is None else min(len(words), cap)
         engine.account(output_tokens)
         seq = next(engine.state.seq)
-        rid, mid = f"resp_demo{seq:08d}", f"msg_demo{seq:08d}"
+        rid, mid = f"resp_demo{self.token}{seq:08d}", f"msg_demo{self.token}{seq:08d}"
         text = " ".join(words)
         background = body.get("background") is True
         obj: dict[str, Any] = {
@@ -103,7 +107,7 @@ class ResponsesAPI:
         }
         if body.get("store") is not False:
             for n, item in enumerate(items):
-                item.setdefault("id", f"msg_in{seq:08d}_{n}")
+                item.setdefault("id", f"msg_in{self.token}{seq:08d}_{n}")
             self.remember(rid, obj, items)
         if background:
             queued = {**obj, "status": "queued", "output": [], "usage": None}
