@@ -199,11 +199,13 @@ def test_a_key_that_may_not_use_the_owner_is_refused_like_an_unknown_id(stack):
     assert east_only.responses.retrieve(own.id).output_text == own.output_text
 
 
-def test_a_listing_of_input_items_costs_one_ext_proc_message(stack):
-    """Decided at the request headers; its answer needs no rewrite."""
+def test_follow_ups_cost_one_ext_proc_message_plus_the_rewrite_of_their_answer(stack):
+    """Decided at the request headers. An input items listing needs nothing
+    from its answer; a retrieve's answer gets its id tagged (headers and body)."""
     client = sdk(stack)
     r = client.responses.create(model="gpt-r", input="count")
-    before = envoy_stat(stack, "ext_proc.stream_msgs_sent")
-    for _ in range(3):
-        client.responses.input_items.list(r.id)
-    assert envoy_stat(stack, "ext_proc.stream_msgs_sent") - before == 3
+    for call, cost in ((client.responses.input_items.list, 1), (client.responses.retrieve, 3)):
+        before = envoy_stat(stack, "stream_msgs_sent")  # the request and the response processors
+        for _ in range(3):
+            call(r.id)
+        assert envoy_stat(stack, "stream_msgs_sent") - before == 3 * cost
