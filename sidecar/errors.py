@@ -108,3 +108,15 @@ def previous_response_not_found(response_id: str) -> Reply:
         "previous_response_not_found", f"Previous response with id '{response_id}' not found.",
         param="previous_response_id",
     )
+
+
+def stream_error_event(kind: Kind, message: str, family: str) -> bytes:
+    """The last event of a stream the router ends itself: what each family's
+    SDK raises as an error (OpenAI: a ``data`` line holding ``error``, with no
+    ``[DONE]`` after it; Anthropic: an ``error`` event)."""
+    _, otype, code, atype = _KINDS[kind]
+    if family == "anthropic":
+        data = orjson.dumps({"type": "error", "error": {"type": atype, "message": message}})
+        return b"event: error\ndata: " + data + b"\n\n"
+    data = orjson.dumps({"error": {"message": message, "type": otype, "param": None, "code": code}})
+    return b"data: " + data + b"\n\n"

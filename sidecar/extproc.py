@@ -15,6 +15,7 @@ change opens a second stream, at the response headers, handled by
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -35,7 +36,15 @@ from .body import named_models
 from .errors import Reply
 from .ingress import canonical, family_for, follow_up, lookup
 from .ingress import listing_path as listing_of
-from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
+from .response_stream import (
+    NAMESPACE,
+    RESPONSE_HEADER,
+    ResponseStream,
+    header_map,
+    rewrite_of,
+    silence_limit,
+    usage_metadata,
+)
 from .rewrite import rewrite_json_body
 from .routing.trace import Trace
 from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
@@ -129,6 +138,28 @@ class _Stream:
         return out
 
 
+_SILENT = object()  # no message within the silence limit
+
+
+async def _next(messages, timeout: float | None):
+    """The next message from Envoy, None at the stream's end, or ``_SILENT``
+    when ``timeout`` seconds pass without one."""
+    if timeout is None:
+        try:
+            return await messages.__anext__()
+        except StopAsyncIteration:
+            return None
+    pending = asyncio.ensure_future(messages.__anext__())
+    done, _ = await asyncio.wait({pending}, timeout=timeout)
+    if not done:
+        pending.cancel()
+        return _SILENT
+    try:
+        return pending.result()
+    except StopAsyncIteration:
+        return None
+
+
 class Processor(pbg.ExternalProcessorServicer):
     def __init__(self, runtime) -> None:
         self.runtime = runtime
@@ -140,9 +171,18 @@ class Processor(pbg.ExternalProcessorServicer):
     async def Process(self, request_iterator, context):
         st = _Stream()
         response: ResponseStream | None = None
+        silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
+        messages = request_iterator.__aiter__()
         self.in_flight += 1
         try:
-            async for req in request_iterator:
+            while True:
+                req = await _next(messages, silence if response is not None and response.watching else None)
+                if req is None:
+                    break
+                if req is _SILENT and response is not None:
+                    metrics.STREAMS_CUT.labels("idle").inc()
+                    yield response.cut(silence)
+                    return
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
@@ -182,7 +222,12 @@ class Processor(pbg.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    for resp in response.trailers() if response is not None else [
+                        pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    ]:
+                        yield resp
+                    if response is not None:
+                        return
         except Exception:
             metrics.STREAM_ERRORS.inc()
             log.exception("ext_proc stream failed")

@@ -293,6 +293,11 @@ class SSERewriter:
         """Number of bytes currently held back (part of an incomplete event)."""
         return len(self._buf)
 
+    @property
+    def mid_event(self) -> bool:
+        """Whether part of an oversized event has been released without its end."""
+        return self._passthrough
+
     def feed(self, chunk: bytes) -> bytes:
         """Consume the next piece of the stream and return what can be released now.
 
