@@ -28,7 +28,7 @@ def owner_backend(snap: Snapshot, caller: Caller, response_id: str) -> tuple[Own
         return None
     owner, upstream = found
     backend = snap.backends.get(owner.backend)
-    if backend is None or backend.internal or backend.family != "openai":
+    if backend is None or not backend.config.enabled or backend.internal or backend.family != "openai":
         return None
     key = caller.key
     if key is not None and key.allowed_backends is not None and owner.backend not in key.allowed_backends:
