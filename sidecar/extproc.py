@@ -334,7 +334,7 @@ class Processor(pbg.ExternalProcessorServicer):
         entry = await self.cache.get(st.snap.config, plan.cache.key, plan.experiment or "", plan.variant or "")
         if entry is None:
             return None
-        body, _ = rewrite_json_body(entry.body, plan.rewrite_model, plan.family)
+        body = entry.body if plan.rewrite_model is None else rewrite_json_body(entry.body, plan.rewrite_model, plan.family)[0]
         reply = Reply(entry.status, body, headers=(("content-type", entry.content_type),))
         meta = {**route.metadata(), **st.meta(), "kind": "cache_hit", "x_cache": "hit"}
         if st.trace is not None:
