@@ -164,3 +164,14 @@ def test_what_may_be_stored_and_how_it_travels():
     e = Entry(201, "application/json; charset=utf-8", b'{"a":\n1}')
     assert Entry.decode(e.encode()) == e
     assert Entry.decode(b"garbage") is None
+
+
+def test_the_trace_says_what_the_cache_stage_decided(snap):
+    from sidecar.routing.trace import Trace
+
+    for headers, verdict in (({}, "lookup, then store a miss"), ({"cache-control": "no-store"}, "no-store")):
+        trace = Trace()
+        plan(snap, {"model": "m", "messages": MSG}, headers=headers, trace=trace)
+        stage = next(s for s in trace.stages if s["stage"] == "cache")
+        assert verdict in stage["verdict"]
+        assert stage["cached"] is (not headers)
