@@ -9,9 +9,7 @@ the event loop exports them in batches, over gRPC
 export bounded by its timeout. A collector that is down or slow costs spans,
 counted in ``model_router_trace_spans_dropped_total``, never a request.
 
-Settings: a field of the config's ``tracing:`` section wins; a field left out
-takes its ``OTEL_*`` variable; then the default. ``OTEL_SDK_DISABLED=true``
-turns export off whatever the file says (docs/observability.md).
+Its settings come from :mod:`sidecar.trace_settings`.
 """
 
 from __future__ import annotations
@@ -22,157 +20,22 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import get_args
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 import grpc
 
 from . import metrics
 from ._proto import otlp_pb2 as otlp
-from .config import Sampler as SamplerName
 from .config import Tracing
 from .metering import Entry
-from .spans import Sampler, attributes, span_of
+from .spans import attributes, span_of
+from .trace_settings import Settings, resolve
 
 log = logging.getLogger("model_router.tracing")
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 SCOPE = otlp.InstrumentationScope(name="model-router", version="0.1.0")
-_SAMPLERS = get_args(SamplerName)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Export settings after the config file and the environment are merged."""
-
-    endpoint: str  # the full URL: host:port for gRPC, .../v1/traces for HTTP
-    protocol: str  # grpc | http/protobuf
-    headers: tuple[tuple[str, str], ...]
-    timeout_s: float
-    resource: tuple[tuple[str, str], ...]
-    sampler: Sampler
-    max_queue_size: int
-    max_export_batch_size: int
-    schedule_delay_s: float
-
-    def __repr__(self) -> str:  # headers may carry a collector's credentials
-        return f"Settings(endpoint={self.endpoint!r}, protocol={self.protocol!r}, sampler={self.sampler!r})"
-
-
-def _pairs(text: str) -> dict[str, str]:
-    """``k1=v1,k2=v2`` (values percent-decoded), as OTEL_*_HEADERS and OTEL_RESOURCE_ATTRIBUTES spell them."""
-    out = {}
-    for item in text.split(","):
-        k, sep, v = item.partition("=")
-        if sep and k.strip():
-            out[k.strip()] = unquote(v.strip())
-    return out
-
-
-def _env(env: Mapping[str, str], *names: str) -> str | None:
-    for name in names:
-        v = env.get(name, "").strip()
-        if v:
-            return v
-    return None
-
-
-def _number(env: Mapping[str, str], name: str, default: float, warnings: list[str], low: float = 0) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1
-    if not v >= low:
-        warnings.append(f"{name}={raw!r} is not a number >= {low:g}; using {default:g}")
-        return default
-    return v
-
-
-def resolve(cfg: Tracing, env: Mapping[str, str]) -> tuple[Settings | None, list[str]]:
-    """The export settings (None: export is off) and warnings about ignored variables. Pure."""
-    warnings: list[str] = []
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or cfg.enabled is False:
-        return None, warnings
-    exporter = (env.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower()
-    if exporter not in ("otlp", "none"):
-        warnings.append(f"OTEL_TRACES_EXPORTER={exporter!r} is not supported (only otlp); exporting OTLP")
-    signal_endpoint = _env(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    base_endpoint = _env(env, "OTEL_EXPORTER_OTLP_ENDPOINT")
-    if cfg.enabled is None and (exporter == "none" or not (cfg.endpoint or signal_endpoint or base_endpoint)):
-        return None, warnings
-
-    protocol = cfg.protocol or _env(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    if protocol == "http/json":
-        warnings.append("OTLP http/json is not supported; exporting http/protobuf to the same endpoint")
-        protocol = "http/protobuf"
-    elif protocol not in ("grpc", "http/protobuf"):
-        warnings.append(f"OTLP protocol {protocol!r} is not supported; exporting grpc")
-        protocol = "grpc"
-    http = protocol == "http/protobuf"
-
-    if cfg.endpoint:
-        endpoint = cfg.endpoint
-        if http and urlsplit(endpoint).path in ("", "/"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-    elif signal_endpoint:
-        endpoint = signal_endpoint
-    elif base_endpoint:
-        endpoint = base_endpoint.rstrip("/") + "/v1/traces" if http else base_endpoint
-    else:
-        endpoint = "http://localhost:4318/v1/traces" if http else "http://localhost:4317"
-    if "://" not in endpoint:
-        endpoint = "http://" + endpoint
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        warnings.append(f"OTLP endpoint {endpoint!r} is not http(s)://host:port; trace export is off")
-        return None, warnings
-
-    if cfg.headers is not None:
-        headers = dict(cfg.headers)
-    else:
-        headers = _pairs(_env(env, "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") or "")
-    if cfg.timeout_ms is not None:
-        timeout_s = cfg.timeout_ms / 1000
-    else:
-        name = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT" if env.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") else (
-            "OTEL_EXPORTER_OTLP_TIMEOUT")
-        timeout_s = _number(env, name, 10_000, warnings, low=1) / 1000
-
-    resource = _pairs(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
-    resource.update(cfg.resource_attributes or {})
-    resource["service.name"] = (cfg.service_name or _env(env, "OTEL_SERVICE_NAME")
-                                or resource.get("service.name") or "model-router")
-
-    sampler_name = cfg.sampler or (env.get("OTEL_TRACES_SAMPLER") or "").strip().lower() or "parentbased_always_on"
-    if sampler_name not in _SAMPLERS:
-        warnings.append(f"OTEL_TRACES_SAMPLER={sampler_name!r} is not a built-in sampler; using parentbased_always_on")
-        sampler_name = "parentbased_always_on"
-    ratio = cfg.sampler_arg
-    if ratio is None:
-        ratio = _number(env, "OTEL_TRACES_SAMPLER_ARG", 1.0, warnings) if sampler_name.endswith("ratio") else 1.0
-        if ratio > 1:
-            warnings.append(f"OTEL_TRACES_SAMPLER_ARG={ratio:g} is above 1; using 1")
-            ratio = 1.0
-
-    def setting(value: int | None, name: str, default: int) -> int:
-        return value if value is not None else int(_number(env, name, default, warnings, low=1))
-
-    return Settings(
-        endpoint=endpoint,
-        protocol=protocol,
-        headers=tuple((k.lower(), v) for k, v in headers.items()),
-        timeout_s=timeout_s,
-        resource=tuple(resource.items()),
-        sampler=Sampler(sampler_name, ratio),
-        max_queue_size=setting(cfg.max_queue_size, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-        max_export_batch_size=setting(cfg.max_export_batch_size, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
-        schedule_delay_s=setting(cfg.schedule_delay_ms, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
-    ), warnings
 
 
 class ExportError(Exception):
@@ -199,7 +62,9 @@ class GrpcExporter:
 
     async def export(self, request: otlp.ExportTraceServiceRequest) -> otlp.ExportTraceServiceResponse:
         try:
-            return await self._export(request, timeout=self._timeout, metadata=self._metadata)
+            response: otlp.ExportTraceServiceResponse = await self._export(
+                request, timeout=self._timeout, metadata=self._metadata)
+            return response
         except grpc.aio.AioRpcError as exc:
             raise ExportError(f"{exc.code().name}: {exc.details()}") from None
 
@@ -226,10 +91,12 @@ class HttpExporter:
                     raise ExportError(f"HTTP {r.status}")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ExportError(f"{type(exc).__name__}: {exc}") from None
+        response = otlp.ExportTraceServiceResponse()
         try:
-            return otlp.ExportTraceServiceResponse.FromString(body)
+            response.ParseFromString(body)
         except Exception:  # a 200 with an unreadable body still took the spans
-            return otlp.ExportTraceServiceResponse()
+            response.Clear()
+        return response
 
     async def close(self) -> None:
         if self._session is not None:
@@ -257,7 +124,7 @@ class Tracer:
         self._retired: list[Exporter] = []
         self._queue: deque[otlp.Span] = deque()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._failing = False
 
     def _current(self) -> Settings | None:
@@ -332,13 +199,12 @@ class Tracer:
     async def _flush(self) -> None:
         while self._retired:
             await self._retired.pop().close()
-        settings = self.settings
-        if settings is None:
-            self._queue.clear()
-            return
-        while self._queue:
+        while self._queue and self.settings is not None:
+            settings = self.settings  # a reload between batches applies to the next one
             n = min(len(self._queue), settings.max_export_batch_size)
             await self._export(settings, [self._queue.popleft() for _ in range(n)])
+        if self.settings is None:
+            self._queue.clear()  # export was turned off
 
     async def _export(self, settings: Settings, spans: list[otlp.Span]) -> None:
         if self._exporter is None:

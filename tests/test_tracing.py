@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from sidecar import spans, tracing
+from sidecar import spans, trace_settings
 from sidecar.config import Tracing
 from sidecar.metering import Entry
 
@@ -107,24 +107,24 @@ def test_the_file_wins_over_otel_variables_and_sdk_disabled_wins_over_all():
            "OTEL_SERVICE_NAME": "from-env", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,service.name=x",
            "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
            "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20tok", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    s, warnings = tracing.resolve(Tracing(), env)
+    s, warnings = trace_settings.resolve(Tracing(), env)
     assert warnings == []
     assert s.endpoint == "http://collector:4318/v1/traces" and s.protocol == "http/protobuf"
     assert dict(s.resource) == {"deployment.environment": "prod", "service.name": "from-env"}
     assert s.sampler == spans.Sampler("traceidratio", 0.25) and s.schedule_delay_s == 0.2
     assert dict(s.headers) == {"authorization": "Bearer tok"}
     assert "tok" not in repr(s)
-    s, _ = tracing.resolve(Tracing(endpoint="http://file:4317", protocol="grpc", service_name="file",
+    s, _ = trace_settings.resolve(Tracing(endpoint="http://file:4317", protocol="grpc", service_name="file",
                                    sampler="always_on"), env)
     assert (s.endpoint, s.protocol, dict(s.resource)["service.name"], s.sampler.name) == (
         "http://file:4317", "grpc", "file", "always_on")
-    assert tracing.resolve(Tracing(endpoint="http://file:4317"), {**env, "OTEL_SDK_DISABLED": "true"})[0] is None
-    assert tracing.resolve(Tracing(enabled=False), env)[0] is None
+    assert trace_settings.resolve(Tracing(endpoint="http://file:4317"), {**env, "OTEL_SDK_DISABLED": "true"})[0] is None
+    assert trace_settings.resolve(Tracing(enabled=False), env)[0] is None
     # Off unless an endpoint is known; a signal-specific endpoint is used as given.
-    assert tracing.resolve(Tracing(), {})[0] is None
-    s, _ = tracing.resolve(Tracing(), {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:4317"})
+    assert trace_settings.resolve(Tracing(), {})[0] is None
+    s, _ = trace_settings.resolve(Tracing(), {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:4317"})
     assert (s.endpoint, s.protocol, s.sampler.name) == ("http://collector:4317", "grpc", "parentbased_always_on")
-    s, warnings = tracing.resolve(Tracing(enabled=True), {"OTEL_TRACES_SAMPLER": "nope", "OTEL_BSP_MAX_QUEUE_SIZE": "x"})
+    s, warnings = trace_settings.resolve(Tracing(enabled=True), {"OTEL_TRACES_SAMPLER": "nope", "OTEL_BSP_MAX_QUEUE_SIZE": "x"})
     assert s.endpoint == "http://localhost:4317" and s.sampler.name == "parentbased_always_on" and s.max_queue_size == 2048
     assert len(warnings) == 2
 
@@ -273,3 +273,38 @@ def test_otel_variables_configure_http_export_and_a_dead_collector_costs_only_sp
     assert wait_metric(stack, "model_router_trace_spans_dropped_total", before + 5, timeout=30,
                        reason="export_failed") >= before + 5
     assert metric(stack, "model_router_trace_spans_exported_total") == exported
+
+
+def test_a_reload_moves_export_and_a_full_queue_drops_and_counts(grpc_receiver):
+    """The tracer follows the current tracing: section; spans past the queue are counted, not kept."""
+    import asyncio
+
+    from sidecar import metrics
+    from sidecar.tracing import Tracer
+
+    other = GrpcReceiver().start()
+    current = {"cfg": Tracing(endpoint=grpc_receiver.endpoint, schedule_delay_ms=20, max_queue_size=2)}
+    dropped = metrics.TRACE_SPANS_DROPPED.labels("queue_full")
+
+    def entry(rid: str) -> Entry:
+        return Entry({"kind": "routed", "request_id": rid}, 200, time.time(), 0.001, 0.002, None, None, False, False)
+
+    async def scenario() -> None:
+        tracer = Tracer(lambda: current["cfg"], env={})
+        tracer.start()
+        before = dropped._value.get()
+        for i in range(3):
+            tracer.observe(entry(f"first-{i}"))  # the third finds the queue full
+        assert dropped._value.get() == before + 1
+        await asyncio.to_thread(grpc_receiver.wait_for, lambda s: s["attributes"]["router.request_id"] == "first-1")
+        current["cfg"] = Tracing(endpoint=other.endpoint, schedule_delay_ms=20)
+        tracer.observe(entry("second"))
+        await tracer.close()
+
+    try:
+        asyncio.run(scenario())
+        assert [s["attributes"]["router.request_id"] for s in other.spans] == ["second"]
+        assert not grpc_receiver.wait_for(lambda s: s["attributes"]["router.request_id"] in ("second", "first-2"),
+                                          timeout=0)
+    finally:
+        other.stop()
