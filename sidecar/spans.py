@@ -115,26 +115,20 @@ class Sampler:
         return int.from_bytes(trace_id[8:], "big") < round(self.ratio * (1 << 64))
 
 
-def _value(v: Any) -> otlp.AnyValue | None:
-    if isinstance(v, bool):
-        return otlp.AnyValue(bool_value=v)
-    if isinstance(v, int):
-        return otlp.AnyValue(int_value=v)
-    if isinstance(v, float):
-        return otlp.AnyValue(int_value=int(v)) if v.is_integer() else otlp.AnyValue(double_value=v)
-    if isinstance(v, str) and v:
-        return otlp.AnyValue(string_value=v)
-    return None
-
-
-def attributes(items: Mapping[str, Any]) -> list[otlp.KeyValue]:
-    """Key-values for the non-empty values, in order."""
-    out = []
+def add_attributes(into: Any, items: Mapping[str, Any]) -> None:
+    """Append a key-value to the repeated field ``into`` per non-empty value, in order."""
     for k, v in items.items():
-        value = _value(v)
-        if value is not None:
-            out.append(otlp.KeyValue(key=k, value=value))
-    return out
+        if v is None or v == "":
+            continue
+        value = into.add(key=k).value
+        if isinstance(v, bool):
+            value.bool_value = v
+        elif isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
+            value.int_value = int(v)
+        elif isinstance(v, float):
+            value.double_value = v
+        else:
+            value.string_value = str(v)
 
 
 def span_attributes(decision: Mapping[str, Any], status: int, prompt_tokens: int | None,
@@ -155,31 +149,44 @@ def span_attributes(decision: Mapping[str, Any], status: int, prompt_tokens: int
     return attrs
 
 
-def span_of(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.urandom) -> otlp.Span | None:
-    """The span of one access-log entry, or
-    None when the sidecar never decided the request or the sampler drops it."""
-    decision = entry.decision
-    if not decision:
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Where a sampled span goes: its trace, and the client's span when it sent one."""
+
+    trace_id: bytes
+    parent: Parent | None
+
+
+def sampled(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.urandom) -> Context | None:
+    """The trace of an entry's span, or None when the sidecar never decided
+    the request or the sampler drops it."""
+    if not entry.decision:
         return None
     parent = parse_traceparent(entry.traceparent, entry.tracestate)
     trace_id = parent.trace_id if parent is not None else new_id(16)
-    if not sampler.sample(parent, trace_id):
-        return None
+    return Context(trace_id, parent) if sampler.sample(parent, trace_id) else None
+
+
+def build(entry: Entry, ctx: Context, new_id: Callable[[int], bytes] = os.urandom,
+          make: Callable[..., otlp.Span] = otlp.Span) -> otlp.Span:
+    """The span of one access-log entry. ``make`` creates it (a batch's
+    ``spans.add`` builds it in place, without a copy)."""
+    parent = ctx.parent
     # Microseconds: what a float of unix seconds holds exactly.
     start = round(entry.start * 1_000_000) * 1000
     end = start + round((entry.total_s or 0.0) * 1_000_000) * 1000
-    span = otlp.Span(
-        trace_id=trace_id,
+    span = make(
+        trace_id=ctx.trace_id,
         span_id=new_id(8),
         name=SPAN_NAME,
         kind=otlp.Span.SPAN_KIND_SERVER,
         start_time_unix_nano=start,
         end_time_unix_nano=end,
-        attributes=attributes(
-            span_attributes(decision, entry.status, entry.prompt_tokens, entry.completion_tokens)
-        ),
         flags=_SAMPLED | _HAS_IS_REMOTE | (_IS_REMOTE if parent is not None else 0),
     )
+    decision = entry.decision
+    add_attributes(span.attributes, span_attributes(decision, entry.status, entry.prompt_tokens,
+                                                    entry.completion_tokens))
     if parent is not None:
         span.parent_span_id = parent.span_id
         span.trace_state = parent.state
@@ -187,3 +194,9 @@ def span_of(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.
         span.status.code = otlp.Status.STATUS_CODE_ERROR
         span.status.message = decision.get("refusal") or f"status {entry.status}"
     return span
+
+
+def span_of(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.urandom) -> otlp.Span | None:
+    """The span of one access-log entry, or None when it has none (see :func:`sampled`)."""
+    ctx = sampled(entry, sampler, new_id)
+    return build(entry, ctx, new_id) if ctx is not None else None

@@ -20,6 +20,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -29,7 +30,7 @@ from . import metrics
 from ._proto import otlp_pb2 as otlp
 from .config import Tracing
 from .metering import Entry
-from .spans import attributes, span_of
+from .spans import add_attributes, build, sampled
 from .trace_settings import Settings, resolve
 
 log = logging.getLogger("model_router.tracing")
@@ -122,7 +123,8 @@ class Tracer:
         self.settings: Settings | None = None
         self._exporter: Exporter | None = None
         self._retired: list[Exporter] = []
-        self._queue: deque[otlp.Span] = deque()
+        self._batches: deque[otlp.ExportTraceServiceRequest] = deque()  # spans are built in place here
+        self._queued = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
@@ -150,18 +152,33 @@ class Tracer:
             settings = self._current()
             if settings is None:
                 return
-            span = span_of(entry, settings.sampler, self._new_id)
+            ctx = sampled(entry, settings.sampler, self._new_id)
+            if ctx is None:
+                return
+            if self._queued >= settings.max_queue_size:
+                metrics.TRACE_SPANS_DROPPED.labels("queue_full").inc()
+                return
+            spans = self._filling(settings)
+            build(entry, ctx, self._new_id, spans.add)
         except Exception:  # a span is never worth the rest of the batch's accounting
             log.exception("tracing: no span for an access-log entry")
             return
-        if span is None:
-            return
-        if len(self._queue) >= settings.max_queue_size:
-            metrics.TRACE_SPANS_DROPPED.labels("queue_full").inc()
-            return
-        self._queue.append(span)
-        if len(self._queue) >= settings.max_export_batch_size:
+        self._queued += 1
+        if len(spans) >= settings.max_export_batch_size:
             self._wake.set()
+
+    def _filling(self, settings: Settings) -> Any:
+        """The spans of the batch being filled (a new one when the last is full)."""
+        if self._batches:
+            spans = self._batches[-1].resource_spans[0].scope_spans[0].spans
+            if len(spans) < settings.max_export_batch_size:
+                return spans
+        request = otlp.ExportTraceServiceRequest()
+        resource_spans = request.resource_spans.add()
+        add_attributes(resource_spans.resource.attributes, dict(settings.resource))
+        resource_spans.scope_spans.add(scope=SCOPE)
+        self._batches.append(request)
+        return resource_spans.scope_spans[0].spans
 
     def start(self) -> None:
         self._current()
@@ -199,25 +216,24 @@ class Tracer:
     async def _flush(self) -> None:
         while self._retired:
             await self._retired.pop().close()
-        while self._queue and self.settings is not None:
-            settings = self.settings  # a reload between batches applies to the next one
-            n = min(len(self._queue), settings.max_export_batch_size)
-            await self._export(settings, [self._queue.popleft() for _ in range(n)])
+        while self._batches and self.settings is not None:
+            request = self._batches.popleft()
+            n = len(request.resource_spans[0].scope_spans[0].spans)
+            self._queued -= n
+            if n:
+                await self._export(self.settings, request, n)  # a reload between batches applies to the next
         if self.settings is None:
-            self._queue.clear()  # export was turned off
+            self._batches.clear()  # export was turned off
+            self._queued = 0
 
-    async def _export(self, settings: Settings, spans: list[otlp.Span]) -> None:
+    async def _export(self, settings: Settings, request: otlp.ExportTraceServiceRequest, n: int) -> None:
         if self._exporter is None:
             self._exporter = GrpcExporter(settings) if settings.protocol == "grpc" else HttpExporter(settings)
-        request = otlp.ExportTraceServiceRequest(resource_spans=[otlp.ResourceSpans(
-            resource=otlp.Resource(attributes=attributes(dict(settings.resource))),
-            scope_spans=[otlp.ScopeSpans(scope=SCOPE, spans=spans)],
-        )])
         started = time.monotonic()
         try:
             response = await asyncio.wait_for(self._exporter.export(request), settings.timeout_s + 1)
         except (ExportError, TimeoutError) as exc:
-            metrics.TRACE_SPANS_DROPPED.labels("export_failed").inc(len(spans))
+            metrics.TRACE_SPANS_DROPPED.labels("export_failed").inc(n)
             if not self._failing:  # once per outage, not once per batch
                 log.warning("tracing: export to %s failed (%s); dropping spans until it answers",
                             settings.endpoint, exc or f"no answer in {time.monotonic() - started:.1f}s")
@@ -226,9 +242,9 @@ class Tracer:
         if self._failing:
             log.info("tracing: export to %s works again", settings.endpoint)
             self._failing = False
-        rejected = min(max(response.partial_success.rejected_spans, 0), len(spans))
+        rejected = min(max(response.partial_success.rejected_spans, 0), n)
         if rejected:
             metrics.TRACE_SPANS_DROPPED.labels("rejected").inc(rejected)
             log.warning("tracing: the collector rejected %d span(s): %s", rejected,
                         response.partial_success.error_message)
-        metrics.TRACE_SPANS_EXPORTED.inc(len(spans) - rejected)
+        metrics.TRACE_SPANS_EXPORTED.inc(n - rejected)
