@@ -129,6 +129,17 @@ def test_the_file_wins_over_otel_variables_and_sdk_disabled_wins_over_all():
     assert len(warnings) == 2
 
 
+def test_a_bad_tracing_section_is_a_config_error_with_its_path():
+    from sidecar.config import ConfigError, parse
+
+    base = 'backends: [{name: a, url: "demo://", models: [m]}]\n'
+    assert parse(base + 'tracing: {endpoint: "https://collector:4317", sampler: traceidratio, sampler_arg: 0.5}')
+    with pytest.raises(ConfigError) as info:
+        parse(base + "tracing: {endpoint: ftp://x, sampler: nope, sampler_arg: 2, protocol: http/json, bogus: 1}")
+    paths = sorted(e.split(":")[0] for e in info.value.errors)
+    assert paths == ["tracing.bogus", "tracing.endpoint", "tracing.protocol", "tracing.sampler", "tracing.sampler_arg"]
+
+
 def test_xds_protos_and_the_otlp_exporter_import_together():
     """xds-protos ships an old copy of opentelemetry.proto (grpc/grpc#42926);
     the exporter's messages live under the router's own package, so both load
