@@ -61,6 +61,7 @@ _FROM_DECISION = (
     ("request_id", "router.request_id"),
     ("key_id", "router.key_id"),
     ("family", "gen_ai.provider.name"),
+    ("family", "gen_ai.system"),  # the older name of gen_ai.provider.name, which many backends still read
 )
 
 

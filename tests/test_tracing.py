@@ -89,7 +89,7 @@ def test_span_of_an_entry_carries_the_decision_and_times():
         "gen_ai.operation.name": "chat", "router.kind": "routed", "router.experiment": "split",
         "router.experiment_variant": "control", "gen_ai.request.model": "chat", "gen_ai.response.model": "model-a",
         "router.upstream_model": "model-a", "router.backend": "pool-a", "router.ingress": "/v1/chat/completions",
-        "gen_ai.provider.name": "openai", "http.response.status_code": 200, "gen_ai.usage.input_tokens": 3,
+        "gen_ai.provider.name": "openai", "gen_ai.system": "openai", "http.response.status_code": 200, "gen_ai.usage.input_tokens": 3,
         "gen_ai.usage.output_tokens": 7,
     }
     assert spans.span_of(Entry({}, 503, 1.0, None, None, None, None, True, False), spans.Sampler()) is None
