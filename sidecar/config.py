@@ -409,8 +409,8 @@ class RedisSettings(_Model):
         return v
 
 
-Sampler = Literal["always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
-                  "parentbased_traceidratio"]
+SamplerName = Literal["always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+                      "parentbased_traceidratio"]
 
 
 class Tracing(_Model):
@@ -425,7 +425,7 @@ class Tracing(_Model):
     timeout_ms: Annotated[int, Field(ge=1, le=60_000)] | None = None  # each export; default 10000
     service_name: str | None = None  # resource service.name; default model-router
     resource_attributes: dict[str, str] | None = None
-    sampler: Sampler | None = None  # default parentbased_always_on
+    sampler: SamplerName | None = None  # default parentbased_always_on
     sampler_arg: Annotated[float, Field(ge=0, le=1)] | None = None  # the ratio of the *traceidratio samplers; default 1
     max_queue_size: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # spans waiting; past it dropped; 2048
     max_export_batch_size: Annotated[int, Field(ge=1, le=100_000)] | None = None  # spans per export; default 512

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import get_args
 from urllib.parse import unquote, urlsplit
 
-from .config import Sampler as SamplerName
-from .config import Tracing
+from .config import SamplerName, Tracing
 from .spans import Sampler
 
 _SAMPLERS = get_args(SamplerName)

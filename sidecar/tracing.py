@@ -128,6 +128,7 @@ class Tracer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        self._closing = False
 
     def _current(self) -> Settings | None:
         cfg = self._config()
@@ -186,21 +187,24 @@ class Tracer:
 
     async def close(self, timeout: float = 5.0) -> None:
         """Export what is queued (within ``timeout``), then stop."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self._closing = True
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._flush())
         try:
-            await asyncio.wait_for(self._flush(), timeout)
+            await asyncio.wait_for(self._task, timeout)
         except TimeoutError:
-            pass
+            metrics.TRACE_SPANS_DROPPED.labels("export_failed").inc(self._queued)
+        except Exception:
+            log.exception("tracing: the last export")
+        self._task = None
         for exporter in (*self._retired, *([self._exporter] if self._exporter else [])):
             await exporter.close()
         self._retired.clear()
         self._exporter = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             settings = self._current()
             delay = settings.schedule_delay_s if settings is not None else 1.0
             try:
