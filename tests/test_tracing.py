@@ -319,3 +319,17 @@ def test_a_reload_moves_export_and_a_full_queue_drops_and_counts(grpc_receiver):
                                           timeout=0)
     finally:
         other.stop()
+
+
+@pytest.mark.integration
+def test_a_stopping_sidecar_exports_what_it_still_holds(stack_factory, grpc_receiver):
+    from .conftest import metered
+
+    section = "{endpoint: \"%s\", schedule_delay_ms: 600000}" % grpc_receiver.endpoint  # no export on the clock
+    stack = stack_factory(CONFIG % (section, KEY))
+    raw = _chat(stack, "at-stop")
+    rid = raw.headers["x-request-id"]
+    assert metered(stack, timeout=30)  # the entry has reached the sidecar
+    assert not grpc_receiver.wait_for(lambda s: s["attributes"].get("router.request_id") == rid, timeout=0)
+    stack.stop_sidecar(0)
+    assert _by_request(grpc_receiver, rid)["attributes"]["router.experiment"] == "split"
