@@ -333,3 +333,38 @@ def test_a_stopping_sidecar_exports_what_it_still_holds(stack_factory, grpc_rece
     assert not grpc_receiver.wait_for(lambda s: s["attributes"].get("router.request_id") == rid, timeout=0)
     stack.stop_sidecar(0)
     assert _by_request(grpc_receiver, rid)["attributes"]["router.experiment"] == "split"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_collector_that_never_answers_costs_counted_spans_within_the_timeout(protocol):
+    """A listener that accepts and never answers: each export ends at its timeout."""
+    import asyncio
+    import socket
+
+    from sidecar import metrics
+    from sidecar.tracing import Tracer
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    endpoint = "http://127.0.0.1:%d" % silent.getsockname()[1]
+    failed = metrics.TRACE_SPANS_DROPPED.labels("export_failed")
+    cfg = Tracing(endpoint=endpoint, protocol=protocol, timeout_ms=300, schedule_delay_ms=20)
+
+    async def scenario() -> float:
+        tracer = Tracer(lambda: cfg, env={})
+        tracer.start()
+        before = failed._value.get()
+        for i in range(4):
+            tracer.observe(Entry({"kind": "routed", "request_id": f"silent-{i}"}, 200, time.time(), None, 0.001,
+                                 None, None, False, False))
+        deadline = time.monotonic() + 30
+        while failed._value.get() < before + 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await tracer.close(timeout=5)
+        return failed._value.get() - before
+
+    try:
+        assert asyncio.run(scenario()) == 4
+    finally:
+        silent.close()
