@@ -148,7 +148,7 @@ class Processor(pbg.ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
                     if is_hop(req):  # a fallback attempt on a hop's cluster
-                        hop = HopStream(self.runtime.snapshot, req)
+                        hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
                         yield hop.headers()
                         continue
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:

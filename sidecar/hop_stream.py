@@ -12,7 +12,7 @@ metadata (:mod:`sidecar.routing.retarget`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -36,10 +36,13 @@ def is_hop(msg: pb.ProcessingRequest) -> bool:
 
 
 class HopStream:
-    __slots__ = ("snap", "attempt", "decision")
+    __slots__ = ("snap", "attempt", "decision", "report_failure")
 
-    def __init__(self, snap: Snapshot, first: pb.ProcessingRequest) -> None:
+    def __init__(
+        self, snap: Snapshot, first: pb.ProcessingRequest, report_failure: Callable[[str, int | None], None],
+    ) -> None:
         self.snap = snap
+        self.report_failure = report_failure
         value = header_map(first.request_headers).get(ATTEMPT_HEADER, "")
         self.attempt = int(value) if value.isdigit() else 0
         self.decision = _plain(first.metadata_context.filter_metadata[NAMESPACE])
@@ -56,6 +59,11 @@ class HopStream:
         if hop is None:
             metrics.STREAM_ERRORS.inc()
             return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        # The access log sees the last attempt only: the failed one's backend
+        # is held out here, as a reset would hold it out (its status is unknown).
+        previous = self.decision.get("backend")
+        if previous:
+            self.report_failure(str(previous), None)
         common = pb.CommonResponse(
             header_mutation=_mutation(((":path", hop.path), *hop.set_headers), hop.remove_headers),
         )

@@ -50,7 +50,6 @@ class Entry:
     completion_tokens: int | None
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
-    attempts: int = 1  # upstream attempts Envoy made (more than one: a retry, or a fallback hop)
 
 
 def _seconds(d) -> float | None:
@@ -86,7 +85,6 @@ def entry_of(log_entry) -> Entry:
             or flags.upstream_protocol_error or flags.no_healthy_upstream
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
-        attempts=common.upstream_request_attempt_count or 1,
     )
 
 
@@ -133,13 +131,6 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "prompt_tokens": entry.prompt_tokens,
         "completion_tokens": entry.completion_tokens,
     }
-
-
-def fallback_reason(decision: Mapping[str, Any], attempts: int) -> str:
-    """The decision's reason; a hop reached on the first attempt means Envoy
-    found no host for the clusters before it (health or outlier ejection)."""
-    reason = str(decision.get("fallback_reason") or "")
-    return "no_upstream_host" if reason == "upstream_error" and attempts <= 1 else reason
 
 
 class Sink(Protocol):
@@ -199,7 +190,7 @@ class Meter:
         experiment, variant = d.get("experiment"), d.get("variant")
         if kind in ("routed", "answered") and d.get("fallback_to"):
             metrics.FALLBACKS.labels(experiment or "", variant or "", d.get("fallback_from") or "",
-                                     d["fallback_to"], fallback_reason(d, e.attempts)).inc()
+                                     d["fallback_to"], d.get("fallback_reason") or "").inc()
         if not experiment or not variant:
             return
         if kind in _COUNTED_KINDS:

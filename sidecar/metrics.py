@@ -102,8 +102,8 @@ SHED = Counter(
 
 
 # At selection (the model had no admissible backend); after a failed attempt
-# (connect failure, reset, 5xx, 429); Envoy had no host for the earlier attempt.
-FALLBACK_REASONS = ("no_admissible_backend", "upstream_error", "no_upstream_host")
+# (connect failure, reset, 5xx, 429).
+FALLBACK_REASONS = ("no_admissible_backend", "upstream_error")
 FALLBACKS = Counter(
     "model_router_fallbacks_total",
     "Requests served by a fallback-chain hop (experiment and variant empty outside experiments; "

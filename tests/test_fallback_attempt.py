@@ -69,7 +69,9 @@ def test_the_decision_names_the_next_hop_and_skips_a_reserved_one(snap):
     assert [(h.upstream_model, h.backend) for h in r.hops] == [("m-b", "b")]  # hidden-m is reserved: skipped
     assert r.cluster == "fallback1~a~b"
     md = r.metadata()
-    assert (md["chain_origin"], md["hop_path"], md["auth_replaced"]) == ("m-a", "/v1/chat/completions", True)
+    assert orjson.loads(md["retry"]) == {"hops": [["b", "m-b"]], "origin": "m-a", "path": "/v1/chat/completions",
+                                         "drop_effort": False}
+    assert md["auth_replaced"] is True
 
 
 def test_the_pin_bounds_the_hop_and_x_backend_only_the_first_attempt(snap):
@@ -110,7 +112,8 @@ def test_the_hop_gets_its_model_path_and_credentials_and_no_suffix_edit(snap):
     assert ("content-length", str(len(out.body))) in out.set_headers
     assert (out.meta["fallback_from"], out.meta["fallback_to"], out.meta["fallback_reason"]) == ("m-a", "m-b", "upstream_error")
     assert out.meta["x_fallback_model"] == "m-b" and out.meta["x_model_variant_applied"] == "false"
-    keyed = retarget(snap, decision | {"hops": '[["c", "m-b"]]'}, 2, r.body)
+    retry = orjson.loads(decision["retry"])
+    keyed = retarget(snap, decision | {"retry": orjson.dumps(retry | {"hops": [["c", "m-b"]]}).decode()}, 2, r.body)
     assert ("authorization", "Bearer sk-c") in keyed.set_headers
     assert retarget(snap, {}, 2, r.body) is None  # a decision that named no hops
     assert retarget(snap, decision, 3, r.body) is None  # past the last hop
@@ -119,7 +122,8 @@ def test_the_hop_gets_its_model_path_and_credentials_and_no_suffix_edit(snap):
 def test_a_reserved_hop_is_never_named_in_the_response(snap):
     r = route(snap, "m-a")
     decision = dict(r.metadata())
-    out = retarget(snap, decision | {"hops": '[["h", "hidden-m"]]'}, 2, orjson.dumps({"model": "m-a"}))
+    retry = orjson.loads(decision["retry"]) | {"hops": [["h", "hidden-m"]]}
+    out = retarget(snap, decision | {"retry": orjson.dumps(retry).decode()}, 2, orjson.dumps({"model": "m-a"}))
     assert out.meta["fallback_to"] == "hidden-m" and out.meta["x_fallback_model"] == ""
 
 
@@ -182,6 +186,11 @@ model_experiments:
     model: chat-fine
     fallback: cross_variant
     variants: [{{id: only, model: model-ok, weight: 1}}]
+  - name: client-named
+    model: chat-client
+    response_model: client
+    fallback: cross_variant
+    variants: [{{id: only, model: model-x, weight: 1}}]
 """
 
 
@@ -257,3 +266,15 @@ def test_a_request_that_does_not_fail_stays_at_two_messages(stack):
     # The route was a fallback one: the decision named a hop for it.
     snap = snapshot.build(parse(stack.config_path.read_text(), env={}).config)
     assert [h.upstream_model for h in route(snap, "chat-fine").hops] == ["model-b"]
+
+
+@pytest.mark.integration
+def test_the_hop_answer_is_rewritten_like_any_other(stack):
+    """The composite's filter chain keeps the response processor: the client
+    name goes back into the hop's answer, streamed or not."""
+    c = client(stack)
+    raw = c.chat.completions.with_raw_response.create(model="chat-client", messages=[{"role": "user", "content": "hi"}])
+    assert raw.status_code == 200 and raw.parse().model == "chat-client"
+    chunks = list(c.chat.completions.create(model="chat-client", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True))
+    assert chunks and all(ch.model == "chat-client" for ch in chunks)

@@ -16,11 +16,13 @@ the Envoy bootstrap.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ..snapshot import Snapshot, build
 
+T = TypeVar("T")
 COMPOSITE_PREFIX = "fallback"  # followed by the hop count and "~": fallback1~a~b
 MEMBER_PREFIX = "attempt~"  # a composite's member: a backend's cluster for attempts in order
 MAX_CLUSTERS = 2000  # composite clusters a config may need before it is refused
@@ -49,12 +51,30 @@ def composite_cluster(backend: str, hops: tuple[Hop, ...]) -> str:
     return f"{COMPOSITE_PREFIX}{len(hops)}~{backend}~" + "~".join(h.backend for h in hops)
 
 
-def hop_backends(snap: Snapshot, model: str) -> tuple[str, ...]:
+_memo: list[Any] = [None, {}]  # one snapshot and the tables derived from it
+
+
+def memo(snap: Snapshot, key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()`` once per snapshot and key: the tables below depend on the
+    config alone, and the request path asks for them on every decision."""
+    if _memo[0] is not snap:
+        _memo[0], _memo[1] = snap, {}
+    table = _memo[1]
+    if key not in table:
+        table[key] = compute()
+    return table[key]  # type: ignore[no-any-return]
+
+
+def hop_backends(snap: Snapshot, model: str) -> frozenset[str]:
     """The backends a hop of ``model`` may be sent to: those the config itself
     says serve it (the bootstrap has clusters for no others; a model list
     discovered at run time does not count), never an internal one."""
-    static = _static(snap)
-    return tuple(n for n in static.resolve(model)[1] if not static.backends[n].internal)
+
+    def compute() -> frozenset[str]:
+        static = _static(snap)
+        return frozenset(n for n in static.resolve(model)[1] if not static.backends[n].internal)
+
+    return memo(snap, ("backends", model), compute)
 
 
 _statics: dict[int, tuple[object, Snapshot]] = {}
@@ -82,8 +102,8 @@ def plans(snap: Snapshot, max_hops: int) -> Iterator[tuple[str, tuple[Hop, ...]]
             rest = models[i + 1:]
             for n in range(1, min(max_hops, len(rest)) + 1):
                 for picked in itertools.combinations(rest, n):
-                    choices = [[Hop(m, m, b) for b in hop_backends(snap, m)] for m in picked]
-                    for backend in hop_backends(snap, first):
+                    choices = [[Hop(m, m, b) for b in sorted(hop_backends(snap, m))] for m in picked]
+                    for backend in sorted(hop_backends(snap, first)):
                         for hops in itertools.product(*choices):
                             yield backend, hops
 

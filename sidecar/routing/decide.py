@@ -280,11 +280,12 @@ def _retry_hops(
     for hop in chain:
         if len(out) == snap.config.fallback_attempts:
             break
-        known = set(attempts.hop_backends(snap, hop))
-        allowed = known if target.allowed is None else known & target.allowed
-        chosen = _hop_selection(snap, ctx, replace(target, allowed=allowed), hop, parsed.json, None)
+        known = attempts.hop_backends(snap, hop)
+        hop_model, candidates = _candidates(snap, hop, target.allowed, None)
+        candidates = [b for b in candidates if b.name in known]
+        chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=parsed.json)) if candidates else None
         if chosen is not None:
-            out.append(Hop(hop, chosen[0], chosen[1].name))
+            out.append(Hop(hop, hop_model, chosen.backend.name))
     if req.trace is not None and out:
         req.trace.stage("retry_hops", "on an upstream failure: " + ", ".join(
             f"'{h.upstream_model}' on {h.backend}" for h in out),
@@ -297,10 +298,16 @@ def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
     origin is not reserved skips reserved hops, so ordinary routing never
     reaches a hidden arm's model."""
     chains = snap.config.fallback_chains
-    chain = chains.get(origin) or chains.get(dispatched) or []
-    if origin in snap.reserved or dispatched in snap.reserved:
-        return list(chain)
-    return [hop for hop in chain if reserved_by(snap, hop) is None]
+    if not chains:
+        return []
+
+    def compute() -> list[str]:
+        chain = chains.get(origin) or chains.get(dispatched) or []
+        if origin in snap.reserved or dispatched in snap.reserved:
+            return list(chain)
+        return [hop for hop in chain if reserved_by(snap, hop) is None]
+
+    return list(attempts.memo(snap, ("chain", origin, dispatched), compute))
 
 
 def _suffix_checks(

@@ -2,9 +2,10 @@
 
 Envoy runs this (through ``sidecar/hop_stream.py``) on every attempt after the
 first of a request whose route named hops, that is after an attempt failed
-upstream. The decision left what is needed in its metadata (``hops``,
-``chain_origin``, ``hop_path``, ``drop_effort``); Envoy's attempt count says
-which hop this attempt is for. Pure.
+upstream. The decision left what is needed in its metadata (``retry``: the
+hops, the chain's origin, the path below the backend's base path, whether a
+suffix edit must go); Envoy's attempt count says which hop this attempt is
+for. Pure.
 """
 
 from __future__ import annotations
@@ -32,25 +33,33 @@ class Retarget:
     meta: Meta  # merged into the decision's metadata
 
 
-def hop_for(decision: Mapping[str, Any], attempt: int) -> tuple[str, str] | None:
-    """(backend, model) of attempt ``attempt`` (2 for the first hop), or None."""
-    if attempt < 2:
-        return None
+def _retry(decision: Mapping[str, Any]) -> dict[str, Any]:
     try:
-        hops = orjson.loads(str(decision.get("hops") or "[]"))
-        backend, model = hops[attempt - 2]
-    except (orjson.JSONDecodeError, IndexError, TypeError, ValueError):
+        plan = orjson.loads(str(decision.get("retry") or "{}"))
+    except orjson.JSONDecodeError:
+        return {}
+    return plan if isinstance(plan, dict) else {}
+
+
+def hop_for(plan: Mapping[str, Any], attempt: int) -> tuple[str, str] | None:
+    """(backend, model) of attempt ``attempt`` (2 for the first hop), or None."""
+    hops = plan.get("hops")
+    if attempt < 2 or not isinstance(hops, list) or attempt - 2 >= len(hops):
         return None
-    return (backend, model) if isinstance(backend, str) and isinstance(model, str) else None
+    hop = hops[attempt - 2]
+    if isinstance(hop, list) and len(hop) == 2 and all(isinstance(x, str) for x in hop):
+        return hop[0], hop[1]
+    return None
 
 
 def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: bytes) -> Retarget | None:
     """The hop's request, or None when this attempt cannot be retargeted (no
     hop for it, a backend this config does not have, a body that is not a
     JSON object): it then goes on unchanged."""
-    hop = hop_for(decision, attempt)
-    origin = decision.get("chain_origin")
-    if hop is None or not origin or hop[0] not in snap.backends:
+    plan = _retry(decision)
+    hop = hop_for(plan, attempt)
+    origin = plan.get("origin")
+    if hop is None or not isinstance(origin, str) or hop[0] not in snap.backends:
         return None
     backend_name, upstream = hop
     backend = snap.backends[backend_name]
@@ -58,7 +67,7 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
         data = parse_json(body)
     except BodyError:
         return None
-    if decision.get("drop_effort") and "reasoning_effort" in data:
+    if plan.get("drop_effort") and "reasoning_effort" in data:
         del data["reasoning_effort"]  # a suffix's edit: a hop inherits no suffix
         data["model"] = upstream
         new_body = orjson.dumps(data)
@@ -69,7 +78,7 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
         removes = _CREDENTIALS  # an earlier attempt's backend key never travels on
     meta: Meta = {
         "backend": backend_name, "upstream_model": upstream,
-        "fallback_from": str(origin), "fallback_to": upstream, "fallback_reason": REASON,
+        "fallback_from": origin, "fallback_to": upstream, "fallback_reason": REASON,
         # The served model is named unless it is a hidden arm's; "" removes the header.
         "x_fallback_model": upstream if upstream not in snap.reserved else "",
     }
@@ -77,5 +86,5 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
         meta["auth_replaced"] = True
     if decision.get("suffix"):
         meta.update(suffix_applied=False, x_model_variant_applied="false")
-    path = backend.base_path + str(decision.get("hop_path") or "/")
+    path = backend.base_path + str(plan.get("path") or "/")
     return Retarget(new_body, path, sets + (("content-length", str(len(new_body))),), removes, meta)

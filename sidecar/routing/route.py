@@ -58,10 +58,6 @@ class ResponsePlan:
                      fallback_reason=self.fallback.reason)
             if self.fallback.announce:
                 m["x_fallback_model"] = self.fallback.served
-        if self.chain_origin is not None:
-            m.update(chain_origin=self.chain_origin, hop_path=self.hop_path or "/")
-            if self.drop_effort:
-                m["drop_effort"] = True
         if self.needs_response:
             m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
         return m
@@ -98,9 +94,14 @@ class Route:
     def metadata(self) -> Meta:
         m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
         m["backend"] = self.backend.name
-        if self.hops:
-            # Attempt n + 1 goes to hop n: [[backend, model], ...] for the hop's filter.
-            m["hops"] = orjson.dumps([[h.backend, h.upstream_model] for h in self.hops]).decode()
+        if self.hops and self.plan is not None:
+            # For the hop filter, in one field (each field costs in every access-log entry):
+            # attempt n + 1 goes to hops[n - 1] = [backend, model].
+            plan = self.plan
+            m["retry"] = orjson.dumps({
+                "hops": [[h.backend, h.upstream_model] for h in self.hops], "origin": plan.chain_origin,
+                "path": plan.hop_path or "/", "drop_effort": plan.drop_effort,
+            }).decode()
             if self.backend.api_key:
                 m["auth_replaced"] = True  # a hop without a key of its own removes this one
         if self.client_model:
