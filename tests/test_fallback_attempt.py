@@ -131,7 +131,8 @@ def test_a_reserved_hop_is_never_named_in_the_response(snap):
 
 
 class _Broken(BaseHTTPRequestHandler):
-    """Answers every request 500 and remembers each body."""
+    """Answers every request 500 (or the status in ``x-stub-status``, or
+    closes the connection for ``reset``) and remembers each body."""
 
     seen: list[dict] = []
 
@@ -139,8 +140,13 @@ class _Broken(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
         type(self).seen.append({"path": self.path, "body": json.loads(body or b"{}"),
                                 "authorization": self.headers.get("authorization")})
+        status = self.headers.get("x-stub-status", "500")
+        if status == "reset":
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
         out = b'{"error": {"message": "broken", "type": "server_error"}}'
-        self.send_response(500)
+        self.send_response(int(status))
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(out)))
         self.end_headers()
@@ -278,3 +284,14 @@ def test_the_hop_answer_is_rewritten_like_any_other(stack):
     chunks = list(c.chat.completions.create(model="chat-client", messages=[{"role": "user", "content": "hi"}],
                                             stream=True))
     assert chunks and all(ch.model == "chat-client" for ch in chunks)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("status", ["429", "503", "reset"])
+def test_a_429_a_503_and_a_reset_move_on_too(stack, status):
+    seen = len(_Broken.seen)
+    r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "chat-move", "messages": []},
+                   headers={"x-stub-status": status}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "model-b" and r.headers["x-continuum-fallback-model"] == "model-b"
+    assert len(_Broken.seen) == seen + 1
