@@ -257,10 +257,13 @@ def _fall_back(
 
 def _hop_selection(
     snap: Snapshot, ctx: selection.Context, target: _Target, hop: str, data: Edits, rec: AttemptTrace | None,
+    among: frozenset[str] | None = None,
 ) -> tuple[str, BackendInfo] | None:
-    """One hop's selection: inside the request's allow-list, no ranker, no
-    preference: (the id it dispatches as, the backend) or None."""
+    """One hop's selection: inside the request's allow-list (and ``among``),
+    no ranker, no preference: (the id it dispatches as, the backend) or None."""
     hop_model, candidates = _candidates(snap, hop, target.allowed, rec)
+    if among is not None:
+        candidates = [b for b in candidates if b.name in among]
     chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=data), rec) if candidates else None
     return None if chosen is None else (hop_model, chosen.backend)
 
@@ -272,7 +275,7 @@ def _retry_hops(
     """Where the request moves if the attempt ``dispatched`` (model, backend)
     fails upstream: up to ``fallback_attempts`` of the following hops, each on
     the backend its own selection picks now (hops with none admissible are
-    skipped), among the backends Envoy has a hop cluster for. JSON bodies
+    skipped), among the backends the bootstrap has clusters for. JSON bodies
     only: the hop's filter rewrites ``model`` there."""
     if parsed.json is None or not chain or dispatched[1].name not in attempts.hop_backends(snap, dispatched[0]):
         return ()
@@ -280,12 +283,9 @@ def _retry_hops(
     for hop in chain:
         if len(out) == snap.config.fallback_attempts:
             break
-        known = attempts.hop_backends(snap, hop)
-        hop_model, candidates = _candidates(snap, hop, target.allowed, None)
-        candidates = [b for b in candidates if b.name in known]
-        chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=parsed.json)) if candidates else None
+        chosen = _hop_selection(snap, ctx, target, hop, parsed.json, None, attempts.hop_backends(snap, hop))
         if chosen is not None:
-            out.append(Hop(hop, hop_model, chosen.backend.name))
+            out.append(Hop(hop, chosen[0], chosen[1].name))
     if req.trace is not None and out:
         req.trace.stage("retry_hops", "on an upstream failure: " + ", ".join(
             f"'{h.upstream_model}' on {h.backend}" for h in out),
