@@ -6,6 +6,7 @@ sidecar rewrite it. Pure checks first, then real Envoy with a stub that answers
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,7 +21,7 @@ from sidecar.ingress import lookup
 from sidecar.monitor import BackendState
 from sidecar.routing import Caller, Request, decide
 from sidecar.routing.retarget import retarget
-from sidecar.stack import free_port
+from sidecar.stack import envoy_binary, free_port
 
 from .conftest import demo_requests, envoy_stat, metric, wait_metric
 
@@ -99,6 +100,32 @@ def test_every_cluster_a_decision_names_is_in_the_bootstrap(snap):
                 assert r.cluster in names, r.cluster
 
 
+def test_two_hops_are_two_retries_through_a_three_member_composite(tmp_path):
+    snap = snapshot.build(parse("""
+backends:
+  - {name: a, url: "http://127.0.0.1:1", models: [m-a]}
+  - {name: b, url: "http://127.0.0.1:2", models: [m-b]}
+  - {name: c, url: "http://127.0.0.1:3", models: [m-c]}
+fallback_chains: {m-a: [m-b, m-c]}
+fallback_attempts: 2
+""", env={}).config)
+    r = route(snap, "m-a")
+    assert [(h.upstream_model, h.backend) for h in r.hops] == [("m-b", "b"), ("m-c", "c")]
+    boot = envoyconf.bootstrap(snap.config)
+    composite = next(c for c in boot["static_resources"]["clusters"] if c["name"] == r.cluster)
+    members = composite["cluster_type"]["typed_config"]["clusters"]
+    assert [m["name"] for m in members] == ["attempt~a", "attempt~b", "attempt~c"]
+    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    retries = {r["name"]: r["route"].get("retry_policy", {}).get("num_retries") for r in routes}
+    assert retries["default_fallback2"] == 2 and retries["default_fallback1"] == 1 and retries["default"] == 1
+    path = tmp_path / "envoy.yaml"
+    path.write_text(envoyconf.render(boot))
+    res = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+
+
 def test_the_hop_gets_its_model_path_and_credentials_and_no_suffix_edit(snap):
     r = route(snap, "m-a:thinking")
     assert orjson.loads(r.body)["reasoning_effort"] == "high"
@@ -170,13 +197,15 @@ metering: {{flush_interval_ms: 100}}
 monitor: {{enabled: false}}
 backends:
   - {{name: broken, url: "http://127.0.0.1:{broken}", models: [model-x], api_key: sk-broken}}
-  - {{name: gone, url: "http://127.0.0.1:{gone}", models: [model-gone]}}
+  - {{name: gone, url: "http://127.0.0.1:{gone}", models: [model-gone, model-y]}}
   - {{name: pool-b, url: "demo://", models: [model-b]}}
   - {{name: pool-c, url: "demo://", models: [model-b, model-ok]}}
 fallback_chains:
   model-x: [model-b]
   model-gone: [model-b]
   model-ok: [model-b]
+  model-y: [model-x, model-b]
+fallback_attempts: 2
 model_experiments:
   - name: move
     model: chat-move
@@ -295,3 +324,18 @@ def test_a_429_a_503_and_a_reset_move_on_too(stack, status):
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "model-b" and r.headers["x-continuum-fallback-model"] == "model-b"
     assert len(_Broken.seen) == seen + 1
+
+
+@pytest.mark.integration
+def test_two_failed_attempts_reach_the_second_hop(stack):
+    """A connect failure, then the first hop's 500 (its body already names the
+    hop's model), then the second hop serves."""
+    seen = len(_Broken.seen)
+    before = fallbacks(stack, from_model="model-y", to_model="model-b", reason="upstream_error")
+    r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "model-y", "messages": []}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "model-b" and r.headers["x-continuum-fallback-model"] == "model-b"
+    assert [x["body"]["model"] for x in _Broken.seen[seen:]] == ["model-x"]
+    assert _Broken.seen[-1]["authorization"] == "Bearer sk-broken"  # the hop's own key
+    assert wait_metric(stack, "model_router_fallbacks_total", before + 1, from_model="model-y", to_model="model-b",
+                       reason="upstream_error") == before + 1
