@@ -35,6 +35,7 @@ from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
 from .cache import ResponseCache
 from .errors import Reply
+from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
 from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
@@ -127,6 +128,8 @@ class _Stream:
         rid = self.headers.get("x-request-id")
         if rid:
             out["request_id"] = rid
+        if self.ingress is not None:
+            out["ingress"] = self.ingress.path
         if self.caller is not None and self.caller.key is not None:
             out["key_id"] = self.caller.key.id
         return out
@@ -145,11 +148,16 @@ class Processor(pbg.ExternalProcessorServicer):
     async def Process(self, request_iterator, context):
         st = _Stream()
         response: ResponseStream | None = None
+        hop: HopStream | None = None
         self.in_flight += 1
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
+                    if is_hop(req):  # a fallback attempt on a hop's cluster
+                        hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
+                        yield hop.headers()
+                        continue
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
                         yield self._shed(st, req.request_headers)
                         return
@@ -159,6 +167,9 @@ class Processor(pbg.ExternalProcessorServicer):
                     if resp.mode_override.request_body_mode != _P.BUFFERED:
                         return  # the last answer Envoy needs: end the stream from our side
                 elif kind == "request_body":
+                    if hop is not None:
+                        yield hop.body(req.request_body)
+                        return
                     resp = self._request_body(st, req.request_body)
                     plan = st.route.plan if st.route is not None else None
                     if plan is not None and plan.suffix == "online":
@@ -365,7 +376,7 @@ class Processor(pbg.ExternalProcessorServicer):
         """The request-header mutation that carries a route, or a 431 when it
         would take the request past Envoy's header limits (Envoy would answer
         that mutation with a 503 that blames the server)."""
-        sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]
+        sets = [(BACKEND_HEADER, route.cluster), *route.set_headers]
         if route.path is not None:
             sets.append((":path", route.path))
         if route.body is not None:

@@ -175,3 +175,14 @@ def test_the_trace_says_what_the_cache_stage_decided(snap):
         stage = next(s for s in trace.stages if s["stage"] == "cache")
         assert verdict in stage["verdict"]
         assert stage["cached"] is (not headers)
+
+
+def test_a_request_that_may_move_to_another_hop_is_not_cached():
+    """With fallback_attempts, a failed attempt moves to the chain's next model
+    inside the same request: its answer could belong to another route."""
+    chained = snapshot.build(parse((CONFIG % "{}") + "fallback_chains: {other: [m]}\n", env={}).config)
+    assert plan(chained, {"model": "other", "messages": MSG}) is None
+    assert plan(chained, {"model": "m", "messages": MSG}) is not None
+    no_attempts = snapshot.build(parse((CONFIG % "{}") + "fallback_chains: {other: [m]}\nfallback_attempts: 0\n",
+                                       env={}).config)
+    assert plan(no_attempts, {"model": "other", "messages": MSG}) is not None

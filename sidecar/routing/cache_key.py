@@ -113,6 +113,9 @@ def plan_cache(
         return None, "streamed"
     if plan.suffix == "online":
         return None, ":online is never cached"
+    if route.hops:
+        # The answer may come from a later hop of the chain, another route than the key names.
+        return None, "a failed attempt may move to another model in this request"
     wanted = directives(req.headers)
     if "no-store" in wanted:
         return None, "the client sent cache-control: no-store"
