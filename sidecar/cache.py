@@ -160,9 +160,10 @@ class ResponseCache:
         if config.cache is not None and config.cache.store == "redis" and config.redis is not None:
             settings = config.redis
             try:
+                # Never past half of Envoy's wait for this answer: a slow Redis is a miss, not a 504.
+                wait = min(settings.timeout_ms * 2, config.server.message_timeout_ms / 2) / 1000
                 raw = await asyncio.wait_for(
-                    shared_store.client(settings).get(shared_store.key(settings, "cache", key)),
-                    settings.timeout_ms / 1000 * 2,
+                    shared_store.client(settings).get(shared_store.key(settings, "cache", key)), wait,
                 )
             except Exception as exc:  # any failure of the store reads as a miss
                 self._failed("get", experiment, variant, exc)
