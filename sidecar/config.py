@@ -441,6 +441,21 @@ class Tracing(_Model):
         return v
 
 
+class Cache(_Model):
+    """The exact-match response cache (docs/cache.md); absent: nothing is cached."""
+
+    enabled: bool = True
+    store: Literal["memory", "redis"] = "memory"  # redis: the top-level redis section, shared by replicas
+    scope: Literal["key", "shared"] = "key"  # key: one tenant never reads another's answers
+    ttl_s: Annotated[int, Field(ge=1, le=30 * 86_400)] = 300
+    max_bytes: Annotated[int, Field(ge=1024, le=1 << 40)] = 64 * 1024 * 1024  # the memory store's budget
+    max_entry_bytes: Annotated[int, Field(ge=1, le=32 * 1024 * 1024)] = 1024 * 1024  # larger answers are not stored
+    # Opt in by client model (after aliases, without a suffix) or by experiment
+    # name; both unset: every cacheable request.
+    models: list[ModelName] | None = None
+    experiments: list[Name] | None = None
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -460,6 +475,7 @@ class Config(_Model):
     # request, when its first attempt fails upstream (0: none).
     fallback_attempts: Annotated[int, Field(ge=0, le=3)] = 1
     tracing: Tracing = Tracing()
+    cache: Cache | None = None
 
 
 @dataclass
@@ -703,7 +719,20 @@ def check(config: Config) -> tuple[list[str], list[str]]:
                     f"'{reserved[v.model]}' but stays reachable through this experiment, which does not hide its variants"
                 )
     _check_chains(config, reserved, errors, warnings)
+    _check_cache(config, errors)
     return errors, warnings
+
+
+def _check_cache(config: Config, errors: list[str]) -> None:
+    cache = config.cache
+    if cache is None:
+        return
+    if cache.store == "redis" and config.redis is None:
+        errors.append("cache.store: 'redis' needs the top-level redis section (redis.url)")
+    names = {e.name for e in config.model_experiments}
+    for i, name in enumerate(cache.experiments or []):
+        if name not in names:
+            errors.append(f"cache.experiments[{i}]: unknown experiment '{name}'")
 
 
 def _check_chains(config: Config, reserved: dict[str, str], errors: list[str], warnings: list[str]) -> None:

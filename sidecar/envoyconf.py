@@ -29,6 +29,7 @@ from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import (
     ATTRIBUTION_HEADERS,
     BACKEND_HEADER,
+    CACHE_HEADER,
     CLIENT_ROUTER_HEADERS,
     EXPLAIN_HEADER,
     ROUTER_HEADER_PREFIXES,
@@ -174,6 +175,7 @@ _ATTRIBUTION_KEYS = {
     "x-continuum-model-variant-applied": "x_model_variant_applied",
     "x-continuum-fallback-model": "x_fallback_model",
     EXPLAIN_HEADER: "x_explain",
+    CACHE_HEADER: "x_cache",
 }
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 

@@ -15,6 +15,7 @@ change opens a second stream, at the response headers, handled by
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -32,6 +33,7 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
+from .cache import ResponseCache
 from .errors import Reply
 from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, lookup
@@ -83,10 +85,11 @@ def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct |
     """The sidecar's own answer. Its metadata marks it as ours (Envoy's
     local-reply mapping leaves it alone) and carries the decision so far."""
     md = {"reply": "sidecar", "kind": "refusal" if reply.status >= 400 else "answered", **dict(reply.meta), **(meta or {})}
+    typed = any(k == "content-type" for k, _ in reply.headers)
     resp = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=reply.status),
-            headers=header_mutation((("content-type", reply.content_type),) + reply.headers),
+            headers=header_mutation((() if typed else (("content-type", reply.content_type),)) + reply.headers),
             body=reply.body,
             details=f"model_router_{reply.status}",
         ),
@@ -138,6 +141,8 @@ class Processor(pbg.ExternalProcessorServicer):
         self._counter = 0
         self._rand = random.Random(os.urandom(16))
         self.in_flight = 0
+        self.cache = ResponseCache()
+        self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
     async def Process(self, request_iterator, context):
@@ -166,11 +171,14 @@ class Processor(pbg.ExternalProcessorServicer):
                         yield hop.body(req.request_body)
                         return
                     resp = self._request_body(st, req.request_body)
-                    if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
+                    plan = st.route.plan if st.route is not None else None
+                    if plan is not None and plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
                         deadline = st.snap.config.web_search.deadline_s + 5
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
                         resp = await self._online(st, req.request_body.body)
+                    elif plan is not None and plan.cache is not None and plan.cache.read:
+                        resp = await self._from_cache(st) or resp
                     yield resp
                     return
                 elif kind == "response_headers":
@@ -187,7 +195,10 @@ class Processor(pbg.ExternalProcessorServicer):
                     if response is None:
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                         return
-                    yield response.body(req.response_body)
+                    answer = response.body(req.response_body)
+                    if response.kept is not None:
+                        self._store(response)
+                    yield answer
                     if response.finished:
                         return
                 elif kind == "request_trailers":
@@ -325,6 +336,35 @@ class Processor(pbg.ExternalProcessorServicer):
         if st.trace is not None:
             reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, st.trace.summary()),))
         return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
+
+    async def _from_cache(self, st: _Stream) -> pb.ProcessingResponse | None:
+        """A cache hit's answer (no upstream call), or None to send the request on.
+        The entry holds the backend's answer; this request's rename applies."""
+        route = st.route
+        plan = route.plan
+        entry = await self.cache.get(st.snap.config, plan.cache.key, plan.experiment or "", plan.variant or "")
+        if entry is None:
+            return None
+        body = entry.body if plan.rewrite_model is None else rewrite_json_body(entry.body, plan.rewrite_model, plan.family)[0]
+        reply = Reply(entry.status, body, headers=(("content-type", entry.content_type),))
+        meta = {**route.metadata(), **st.meta(), "kind": "cache_hit", "x_cache": "hit"}
+        if st.trace is not None:
+            meta["x_explain"] = st.trace.summary()
+        return immediate(reply, meta)
+
+    def _store(self, response: ResponseStream) -> None:
+        """Keep the answer the response stream saw, beside the stream: Envoy
+        may end the stream as soon as it has the last answer, and the client
+        never waits for the store."""
+        order = response.plan.store
+        entry = response.kept
+        if order is None or entry is None:
+            return
+        task = asyncio.create_task(
+            self.cache.put(self.runtime.snapshot.config, order.key, entry, order.ttl_s, order.experiment, order.variant)
+        )
+        self._stores.add(task)
+        task.add_done_callback(self._stores.discard)
 
     @staticmethod
     def _canonical_path(st: _Stream, route: routing.Route) -> None:

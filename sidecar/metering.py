@@ -33,8 +33,11 @@ from .response_stream import NAMESPACE, USAGE_NAMESPACE
 
 log = logging.getLogger("model_router.metering")
 
-# Kinds of decision that count as requests on an experiment arm.
-_COUNTED_KINDS = ("routed", "refusal", "answered")
+# Kinds of decision that count as requests on an experiment arm (a cache hit
+# too: the arm answered it, from its own entries).
+_COUNTED_KINDS = ("routed", "refusal", "answered", "cache_hit")
+# Kinds whose request was served under its decision's suffix and fallback.
+_SERVED_KINDS = ("routed", "answered", "cache_hit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,10 +203,10 @@ class Meter:
         if kind in ("routed", "passthrough", "count_tokens") and backend and (e.status >= 500 or e.upstream_failed):
             self.report_failure(str(backend), e.status or None)
         suffix = d.get("suffix")
-        if suffix and kind in ("routed", "answered"):
+        if suffix and kind in _SERVED_KINDS:
             metrics.VARIANT_REQUESTS.labels(suffix, "true" if d.get("suffix_applied", True) else "false").inc()
         experiment, variant = d.get("experiment"), d.get("variant")
-        if kind in ("routed", "answered") and d.get("fallback_to"):
+        if kind in _SERVED_KINDS and d.get("fallback_to"):
             metrics.FALLBACKS.labels(experiment or "", variant or "", d.get("fallback_from") or "",
                                      d["fallback_to"], d.get("fallback_reason") or "").inc()
         if not experiment or not variant:
@@ -213,6 +216,9 @@ class Meter:
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:
                 metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
+        if kind == "cache_hit":
+            metrics.EXPERIMENT_CACHE_HITS.labels(experiment, variant).inc()
+            return  # no model ran: no tokens
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
         if e.prompt_tokens:

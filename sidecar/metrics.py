@@ -160,6 +160,13 @@ WEB_SEARCH_ERRORS = Counter(
     "model_router_web_search_provider_errors_total", "Failed calls to the web-search provider.", registry=REGISTRY,
 )
 
+EXPERIMENT_CACHE_HITS = Counter(
+    "model_experiment_cache_hits_total",
+    "The arm's requests answered from the response cache (also counted in model_experiment_requests_total).",
+    ["experiment", "variant"],
+    registry=REGISTRY,
+)
+
 
 STATUSES = ("success", "client_error", "server_error")
 ASSIGNMENTS = ("sticky", "random")
@@ -192,6 +199,13 @@ def prime(config: Config) -> None:
                 for hop in chains.get(v.model, ()):
                     for reason in reasons:
                         FALLBACKS.labels(e.name, v.id, v.model, hop, reason)
+    if config.cache is not None:
+        from . import cache
+
+        cache.prime(config)
+        for e in config.model_experiments:
+            for v in e.variants:
+                EXPERIMENT_CACHE_HITS.labels(e.name, v.id)
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):

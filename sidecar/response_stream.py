@@ -21,6 +21,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from .cache import Entry, storable
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
 
 NAMESPACE = "model_router"
@@ -41,12 +42,24 @@ _STREAMED = _mode(pm.ProcessingMode.STREAMED)
 
 
 @dataclass(frozen=True, slots=True)
+class Store:
+    """Where the decision asked the answer to be kept (the response cache)."""
+
+    key: str
+    ttl_s: int
+    max_bytes: int
+    experiment: str  # empty outside experiments
+    variant: str
+
+
+@dataclass(frozen=True, slots=True)
 class Rewrite:
     """What the decision asked the response processor to do."""
 
     model: str | None  # the top-level model to write, None: leave it
     family: str
     strip_usage: bool  # remove the usage the router injected into a stream
+    store: Store | None = None  # keep the backend's answer in the response cache
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -58,9 +71,20 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     model = fields["rewrite_model"].string_value if "rewrite_model" in fields else ""
     strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
     family = fields["family"].string_value if "family" in fields else "openai"
-    if not model and not strip:
+    store = _store_of(fields)
+    if not model and not strip and store is None:
         return None
-    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip)
+    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store)
+
+
+def _store_of(fields) -> Store | None:
+    if "cache_key" not in fields:
+        return None
+    text = {k: fields[k].string_value if k in fields else "" for k in ("cache_ttl_s", "cache_max_bytes", "experiment", "variant")}
+    if not text["cache_ttl_s"].isdigit() or not text["cache_max_bytes"].isdigit():
+        return None
+    return Store(fields["cache_key"].string_value, int(text["cache_ttl_s"]), int(text["cache_max_bytes"]),
+                 text["experiment"], text["variant"])
 
 
 def usage_metadata(usage: Usage) -> struct_pb2.Struct:
@@ -77,10 +101,12 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 class ResponseStream:
     """One response being rewritten: JSON bodies whole, SSE event by event."""
 
-    __slots__ = ("plan", "rewriter", "buffer", "buffered", "published", "finished")
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "published", "finished", "keeping", "kept")
 
     def __init__(self, plan: Rewrite) -> None:
         self.plan = plan
+        self.keeping: tuple[int, str, bytearray] | None = None  # status, content type, the backend's bytes so far
+        self.kept: Entry | None = None  # the whole answer, for the cache, once the stream is done
         self.rewriter: SSERewriter | None = None
         self.buffer: bytearray | None = None  # chunked JSON, held to its end
         self.buffered = False  # Envoy holds the headers and sends the whole body once
@@ -95,12 +121,17 @@ class ResponseStream:
         self.finished = True
         if not status.startswith("2") or encoding != "identity" or msg.end_of_stream:
             return resp
+        length = h.get("content-length")
+        store = self.plan.store
+        if store is not None and storable(h) and not (length is not None and (not length.isdigit() or int(length) > store.max_bytes)):
+            self.keeping = (int(status), h.get("content-type", "application/json"), bytearray())
+        elif self.plan.model is None and not self.plan.strip_usage:
+            return resp  # nothing to change and nothing to keep
         ctype = h.get("content-type", "").lower()
         if ctype.startswith("text/event-stream"):
             self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage)
         elif "json" not in ctype:
             return resp
-        length = h.get("content-length")
         if length is None:
             if self.rewriter is None:
                 self.buffer = bytearray()
@@ -118,6 +149,8 @@ class ResponseStream:
 
     def body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         self.finished = msg.end_of_stream or self.buffered
+        if self.keeping is not None:
+            self._keep(msg.body)
         out, usage = self._rewrite(msg)
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
         if usage is not None and usage.seen:
@@ -142,6 +175,17 @@ class ResponseStream:
             opt.header.key = "content-length"
             opt.header.raw_value = str(len(out)).encode()
         return resp
+
+    def _keep(self, chunk: bytes) -> None:
+        """Hold the backend's bytes (before any rename) up to the entry limit."""
+        assert self.keeping is not None and self.plan.store is not None
+        status, ctype, held = self.keeping
+        held += chunk
+        if len(held) > self.plan.store.max_bytes:
+            self.keeping = None
+        elif self.finished:
+            self.kept = Entry(status, ctype, bytes(held))
+            self.keeping = None
 
     def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
         """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""

@@ -22,13 +22,14 @@ ROUTER_HEADER_PREFIXES = ("x-model-router-", "x-continuum-")
 # trace: they reach the sidecar, which acts on them only with the admin
 # token, and never a backend.
 EXPLAIN_HEADER = "x-model-router-explain"
+CACHE_HEADER = "x-model-router-cache"  # hit | miss | bypass, on answers the response cache could serve
 ADMIN_TOKEN_HEADER = "x-model-router-admin-token"
 CLIENT_ROUTER_HEADERS = (EXPLAIN_HEADER, ADMIN_TOKEN_HEADER)
 # Response headers the router sets on a request; upstream copies are dropped.
 ATTRIBUTION_HEADERS = (
     "x-continuum-experiment", "x-continuum-experiment-variant",
     "x-continuum-model-variant", "x-continuum-model-variant-applied", "x-continuum-fallback-model",
-    EXPLAIN_HEADER,
+    EXPLAIN_HEADER, CACHE_HEADER,
 )
 
 

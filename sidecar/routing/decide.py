@@ -2,7 +2,7 @@
 
 Pure: no I/O, no clocks, no global state. The request path is a sequence of
 named stages: parse -> aliases and suffix -> key gate -> reservation ->
-experiment -> selection (over the fallback chain) -> plan.
+experiment -> selection (over the fallback chain) -> plan -> cache.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..errors import Reply
 from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
 from . import attempts, selection
 from .attempts import Hop
+from .cache_key import plan_cache
 from .context import Parsed, Request, parse, sticky_value
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .suffixes import SUFFIXES, Suffix, split, supported
@@ -63,7 +64,22 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if hops:
         route.hops = hops
         plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
+    _cache(snap, req, parsed, route, edits, target)
     return route
+
+
+def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Edits, target: _Target) -> None:
+    """The response cache's stage: the key of a cacheable request (the body
+    as the backend gets it: ``edits`` holds every field the route changed)."""
+    cfg = snap.config.cache
+    if cfg is None:
+        return
+    data = {**parsed.json, **edits} if parsed.json is not None else None
+    plan = route.plan
+    assert plan is not None
+    plan.cache, verdict = plan_cache(cfg, req, route, data, _sorted(target.allowed))
+    if req.trace is not None:
+        req.trace.stage("cache", verdict, cached=plan.cache is not None)
 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:

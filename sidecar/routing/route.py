@@ -33,12 +33,13 @@ class ResponsePlan:
     chain_origin: str | None = None  # the model the fallback is counted from
     hop_path: str | None = None  # the upstream path without the backend's base path
     drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
+    cache: CachePlan | None = None
 
     @property
     def needs_response(self) -> bool:
-        """Whether the response body itself must change (the only reason the
-        sidecar sees a response)."""
-        return self.rewrite_model is not None or self.strip_injected_usage
+        """Whether the sidecar must see the response body: to change it, or
+        to store it in the response cache."""
+        return self.rewrite_model is not None or self.strip_injected_usage or self.cache is not None
 
     def metadata(self) -> Meta:
         """The decision as Envoy dynamic metadata: read back by the access log
@@ -60,7 +61,22 @@ class ResponsePlan:
                 m["x_fallback_model"] = self.fallback.served
         if self.needs_response:
             m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
+        if self.cache is not None:
+            # The response processor stores the answer the client gets under this key.
+            m.update(cache_key=self.cache.key, cache_ttl_s=str(self.cache.ttl_s),
+                     cache_max_bytes=str(self.cache.max_entry_bytes),
+                     x_cache="miss" if self.cache.read else "bypass")
         return m
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """The response cache's part of a routed request's plan."""
+
+    key: str  # hex digest (sidecar.routing.cache_key)
+    read: bool  # look the key up first (False: the client sent cache-control: no-cache)
+    ttl_s: int
+    max_entry_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
