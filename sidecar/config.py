@@ -29,6 +29,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
@@ -409,6 +410,44 @@ class RedisSettings(_Model):
         return v
 
 
+class Limit(_Model):
+    """A request rate and/or a token budget for one client-facing model (the
+    base id after a variant suffix), for every caller or for one key id."""
+
+    model: ModelName
+    key_id: Name | None = None  # None: every caller of the model together
+    requests_per_second: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    requests_per_minute: Annotated[int, Field(ge=1, le=60_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=60_000_000)] | None = None  # bucket size; default: the rate
+    tokens: Annotated[int, Field(ge=1)] | None = None  # prompt + completion tokens per window
+    token_window: Annotated[int, Field(ge=1, le=366 * 86400)] = 86400  # seconds; day: UTC midnight to midnight
+
+    @field_validator("token_window", mode="before")
+    @classmethod
+    def _window(cls, v: Any) -> int:
+        return 86400 if v == "day" else parse_duration(v)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Limit:
+        if self.requests_per_second is not None and self.requests_per_minute is not None:
+            raise ValueError("give requests_per_second or requests_per_minute, not both")
+        rate = self.requests_per_second or self.requests_per_minute
+        if rate is None and self.burst is not None:
+            raise ValueError("burst needs requests_per_second or requests_per_minute")
+        if rate is None and self.tokens is None:
+            raise ValueError("a limit needs a request rate, a token budget (tokens), or both")
+        return self
+
+    @property
+    def rate(self) -> tuple[int, int] | None:
+        """(requests, per seconds), or None without a request rate."""
+        if self.requests_per_second is not None:
+            return self.requests_per_second, 1
+        if self.requests_per_minute is not None:
+            return self.requests_per_minute, 60
+        return None
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -424,6 +463,7 @@ class Config(_Model):
     fallback_chains: dict[ModelName, list[ModelName]] = {}
     metering: Metering = Metering()
     redis: RedisSettings | None = None
+    limits: list[Limit] = []
 
 
 @dataclass
@@ -667,7 +707,27 @@ def check(config: Config) -> tuple[list[str], list[str]]:
                     f"'{reserved[v.model]}' but stays reachable through this experiment, which does not hide its variants"
                 )
     _check_chains(config, reserved, errors, warnings)
+    _check_limits(config, errors, warnings)
     return errors, warnings
+
+
+def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> None:
+    key_ids = {k.id for k in config.api_keys or ()}
+    models = {m for b in config.backends for m in b.models or ()} | {e.model for e in config.model_experiments}
+    models |= set(config.model_aliases.values()) | {n for m in config.model_metadata for n in (m.id, *m.aliases)}
+    all_declared = all(b.models is not None for b in config.backends if b.enabled)
+    seen: dict[tuple[str, str | None], int] = {}
+    for i, lim in enumerate(config.limits):
+        p = f"limits[{i}]"
+        if (lim.model, lim.key_id) in seen:
+            errors.append(f"{p}: a second limit for model '{lim.model}'"
+                          + (f" and key id '{lim.key_id}'" if lim.key_id else "")
+                          + f" (also limits[{seen[lim.model, lim.key_id]}])")
+        seen.setdefault((lim.model, lim.key_id), i)
+        if lim.key_id is not None and lim.key_id not in key_ids:
+            errors.append(f"{p}.key_id: unknown key id '{lim.key_id}' (no api_keys entry has it)")
+        if all_declared and lim.model not in models:
+            warnings.append(f"{p}.model: '{lim.model}' is not a model any backend, experiment or alias names")
 
 
 def _check_chains(config: Config, reserved: dict[str, str], errors: list[str], warnings: list[str]) -> None:

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
 from . import config as config_mod
+from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
 from .metering import AccessLogService, JsonLinesSink, Meter
@@ -55,6 +56,7 @@ class Runtime:
         # Each worker draws its own bound near the configured one, so they do not recycle together.
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
+        self.budgets = Budgets(lambda: self.snapshot)
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
@@ -332,7 +334,7 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    meter = Meter(runtime.report_response, _SinkOf(runtime))
+    meter = Meter(runtime.report_response, _SinkOf(runtime), runtime.budgets)
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     health_service = health.aio.HealthServicer()
@@ -366,6 +368,7 @@ async def serve_async(
         metrics.WORKER_RESTARTS.labels(reason).set(n)
     runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
     await runtime.monitor.start()
+    runtime.budgets.start(time.time)
     runtime.ready = True
     await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
@@ -411,6 +414,7 @@ async def serve_async(
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await runtime.monitor.stop()
+    await runtime.budgets.stop(time.time())
     await runtime.close()
     await runner.cleanup()
 

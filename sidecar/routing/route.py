@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..snapshot import BackendInfo, Snapshot
+
+if TYPE_CHECKING:
+    from .limits import LimitPlan
 
 Meta = dict[str, "str | bool"]
 
@@ -76,9 +80,12 @@ class Route:
     set_headers: tuple[tuple[str, str], ...] = ()
     remove_headers: tuple[str, ...] = ()
     plan: ResponsePlan | None = None
+    limits: LimitPlan | None = None  # the limits the request falls under
 
     def metadata(self) -> Meta:
         m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
+        if self.limits is not None:
+            m.update(self.limits.metadata())
         m["backend"] = self.backend.name
         if self.client_model:
             m.update(client_model=self.client_model, upstream_model=self.upstream_model)

@@ -1,0 +1,121 @@
+"""The Envoy side of ``limits:``: request rates enforced by Envoy's local
+rate-limit filter, and OpenAI's ``x-ratelimit-*`` response headers.
+
+The sidecar's decision names the limit a request falls under in two request
+headers (:mod:`sidecar.limit_rules`); the filter, after ext_proc in the chain,
+turns them into descriptors (model; model and key id) and counts them
+against one token bucket per configured rate. It reports its count as
+``x-ratelimit-limit`` / ``-remaining`` / ``-reset`` (draft 03), which a
+header-mutation filter renames to OpenAI's ``-requests`` names on the way
+out. Token-budget headers come from the decision's metadata. Envoy also
+answers its own 429 in the ingress's error shape, naming the model.
+"""
+
+from __future__ import annotations
+
+from .config import Config
+from .limit_rules import KEY_ENTRY, KEY_HEADER, MODEL_ENTRY, MODEL_HEADER, index
+
+_T = "type.googleapis.com/"
+NAMESPACE = "model_router"
+_RAW = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")  # the filter's own names
+REQUEST_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
+TOKEN_HEADERS = {
+    "x-ratelimit-limit-tokens": "x_ratelimit_limit_tokens",
+    "x-ratelimit-remaining-tokens": "x_ratelimit_remaining_tokens",
+    "x-ratelimit-reset-tokens": "x_ratelimit_reset_tokens",
+}
+# Request headers that must never reach a backend.
+INTERNAL_REQUEST_HEADERS = (MODEL_HEADER, KEY_HEADER)
+
+
+def rated(config: Config) -> bool:
+    return any(lim.rate is not None for lim in config.limits)
+
+
+def _set(name: str, value: str) -> dict:
+    return {"append": {"header": {"key": name, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                       "keep_empty_value": False}}
+
+
+def filters(config: Config) -> list[dict]:
+    """The filters that go right after ext_proc (none without a request rate)."""
+    if not rated(config):
+        return []
+    descriptors = []
+    for rules in index(config).values():
+        for r in rules:
+            if r.rate is None:
+                continue
+            entries = [{"key": MODEL_ENTRY, "value": r.model}]
+            if r.key_id is not None:
+                entries.append({"key": KEY_ENTRY, "value": r.key_id})
+            requests, per = r.rate
+            descriptors.append({"entries": entries, "token_bucket": {
+                "max_tokens": r.burst, "tokens_per_fill": requests, "fill_interval": f"{per}s",
+            }})
+    always = {"runtime_key": "model_router.limits_enabled", "default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+    model = {"request_headers": {"header_name": MODEL_HEADER, "descriptor_key": MODEL_ENTRY}}
+    key = {"request_headers": {"header_name": KEY_HEADER, "descriptor_key": KEY_ENTRY}}
+    # The filter's own headers, renamed; the reset count becomes a duration only
+    # when the decision says a rate applies (else the header stays empty, so unsent).
+    reset = f"%RESP(x-ratelimit-reset)%%DYNAMIC_METADATA({NAMESPACE}:x_rl_unit)%"
+    values = ("%RESP(x-ratelimit-limit)%", "%RESP(x-ratelimit-remaining)%", reset)
+    return [
+        {
+            "name": "envoy.filters.http.header_mutation",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"response_mutations": [
+                    *(_set(name, value) for name, value in zip(REQUEST_HEADERS, values)),
+                    *({"remove": raw} for raw in _RAW),
+                ]},
+            },
+        },
+        {
+            "name": "envoy.filters.http.local_ratelimit",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                "stat_prefix": "model_router_limits",
+                "filter_enabled": always,
+                "filter_enforced": always,
+                "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+                "always_consume_default_token_bucket": False,
+                # No default bucket: a request the decision names no rate for is never counted.
+                "rate_limits": [{"actions": [model]}, {"actions": [model, key]}],
+                "descriptors": descriptors,
+            },
+        },
+    ]
+
+
+def response_headers_to_add() -> list[dict]:
+    """Token-budget headers from the decision's metadata (absent: not sent)."""
+    return [
+        {"header": {"key": name, "value": f"%DYNAMIC_METADATA({NAMESPACE}:{key})%"},
+         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}
+        for name, key in TOKEN_HEADERS.items()
+    ]
+
+
+def response_headers_to_remove(config: Config) -> list[str]:
+    """An upstream's copies of the filter's own header names, which would
+    otherwise be renamed as if they were the router's count."""
+    return list(_RAW) if rated(config) else []
+
+
+def reply_mappers(anthropic: dict) -> list[dict]:
+    """Envoy's own 429 (the request-rate filter) in the ingress's shape."""
+    status = {"status_code_filter": {"comparison": {
+        "op": "EQ", "value": {"default_value": 429, "runtime_key": "model_router.local_reply_status_429"},
+    }}}
+    message = (f"Rate limit reached for the model '%DYNAMIC_METADATA({NAMESPACE}:limit_model)%': too many "
+               "requests. The x-ratelimit-reset-requests header says when the limit resets.")
+    openai = {"error": {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
+    claude = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
+    return [
+        {"filter": {"and_filter": {"filters": [status, anthropic]}},
+         "body_format_override": {"json_format": claude, "content_type": "application/json"}},
+        {"filter": status,
+         "body_format_override": {"json_format": openai, "content_type": "application/json"}},
+    ]
