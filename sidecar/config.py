@@ -421,6 +421,9 @@ class Limit(_Model):
     burst: Annotated[int, Field(ge=1, le=60_000_000)] | None = None  # bucket size; default: the rate
     tokens: Annotated[int, Field(ge=1)] | None = None  # prompt + completion tokens per window
     token_window: Annotated[int, Field(ge=1, le=366 * 86400)] = 86400  # seconds; day: UTC midnight to midnight
+    # Count the request rate in Redis through the sidecar's rate-limit service,
+    # so every Envoy and replica shares it (fixed windows; needs redis:).
+    shared: bool = False
 
     @field_validator("token_window", mode="before")
     @classmethod
@@ -436,6 +439,8 @@ class Limit(_Model):
             raise ValueError("burst needs requests_per_second or requests_per_minute")
         if rate is None and self.tokens is None:
             raise ValueError("a limit needs a request rate, a token budget (tokens), or both")
+        if self.shared and (rate is None or self.burst is not None):
+            raise ValueError("shared counts a request rate in fixed windows: it needs a rate and takes no burst")
         return self
 
     @property
@@ -724,6 +729,8 @@ def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> Non
                           + (f" and key id '{lim.key_id}'" if lim.key_id else "")
                           + f" (also limits[{seen[lim.model, lim.key_id]}])")
         seen.setdefault((lim.model, lim.key_id), i)
+        if lim.shared and config.redis is None:
+            errors.append(f"{p}.shared: a shared request rate is counted in Redis; add a redis: section")
         if lim.key_id is not None and lim.key_id not in key_ids:
             errors.append(f"{p}.key_id: unknown key id '{lim.key_id}' (no api_keys entry has it)")
         if all_declared and lim.model not in models:

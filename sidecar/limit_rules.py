@@ -19,6 +19,10 @@ from .config import Config, Limit
 # before the upstream, and from clients by the router-namespace rule).
 MODEL_HEADER = "x-model-router-limit-model"
 KEY_HEADER = "x-model-router-limit-key"
+# The same for rates counted by the rate-limit service (``shared``).
+SHARED_MODEL_HEADER = "x-model-router-limit-shared-model"
+SHARED_KEY_HEADER = "x-model-router-limit-shared-key"
+RATE_LIMIT_DOMAIN = "model_router"
 # The descriptor entries Envoy builds from them.
 MODEL_ENTRY = "model_router_model"
 KEY_ENTRY = "model_router_key_id"
@@ -33,6 +37,7 @@ class Rule:
     burst: int  # the request bucket's size (0 without a rate)
     tokens: int | None  # prompt + completion tokens per window
     window_s: int  # the token window; windows start at multiples of it since the epoch (a day: UTC midnight)
+    shared: bool = False  # the rate is counted by the rate-limit service, in Redis
 
 
 def rule_of(lim: Limit) -> Rule:
@@ -40,6 +45,7 @@ def rule_of(lim: Limit) -> Rule:
     return Rule(
         id=f"{lim.key_id or '*'}/{lim.model}", model=lim.model, key_id=lim.key_id, rate=rate,
         burst=lim.burst or (rate[0] if rate else 0), tokens=lim.tokens, window_s=lim.token_window,
+        shared=lim.shared,
     )
 
 

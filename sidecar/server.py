@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -28,6 +29,7 @@ from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
 from .metering import AccessLogService, JsonLinesSink, Meter
+from .ratelimit_service import RateLimitService
 
 log = logging.getLogger("model_router.server")
 
@@ -337,6 +339,7 @@ async def serve_async(
     meter = Meter(runtime.report_response, _SinkOf(runtime), runtime.budgets)
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     try:

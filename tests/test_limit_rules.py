@@ -111,6 +111,8 @@ def test_durations_read_as_openais(seconds, text):
     ("- {model: m, key_id: nobody, tokens: 5}", "limits[0].key_id: unknown key id 'nobody'"),
     ("- {model: m, tokens: 5}\n  - {model: m, tokens: 6}", "limits[1]: a second limit for model 'm'"),
     ("- {model: m, tokens: 5, token_window: soon}", "limits[0].token_window"),
+    ("- {model: m, requests_per_second: 5, shared: true}", "limits[0].shared: a shared request rate is counted in Redis"),
+    ("- {model: m, requests_per_second: 5, burst: 9, shared: true}", "limits[0]: shared counts"),
 ])
 def test_config_rejects_limits_with_the_field_path(rules, expected):
     text = "api_keys: [{key: k, id: a}]\nbackends: [{name: one, url: 'http://127.0.0.1:1', models: [m]}]\n"
@@ -122,3 +124,19 @@ def test_config_rejects_limits_with_the_field_path(rules, expected):
 def test_an_unknown_model_is_a_warning():
     text = "backends: [{name: one, url: 'http://127.0.0.1:1', models: [m]}]\nlimits: [{model: typo, tokens: 5}]\n"
     assert any("limits[0].model" in w for w in parse(text).warnings)
+
+
+def test_shared_and_local_rates_name_separate_descriptors():
+    from sidecar.limit_rules import SHARED_KEY_HEADER, SHARED_MODEL_HEADER
+
+    text = """
+redis: {url: "redis://127.0.0.1:1"}
+api_keys: [{key: k-a, id: a}]
+backends: [{name: one, url: "http://127.0.0.1:1", models: [m]}]
+limits:
+  - {model: m, requests_per_second: 5, burst: 8}
+  - {model: m, key_id: a, requests_per_minute: 30, shared: true}
+"""
+    r = route(snapshot.build(parse(text).config), "m")
+    assert r.limits.headers == ((MODEL_HEADER, "m"), (SHARED_MODEL_HEADER, "m"), (SHARED_KEY_HEADER, "a"))
+    assert r.limits.metadata()["x_rl_limit"] == "8"  # the local burst, smaller than the shared 30

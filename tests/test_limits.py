@@ -189,14 +189,20 @@ SHARED = """
 metering: {flush_interval_ms: 100}
 redis: {url: "%(url)s", key_prefix: "limits-test-%(run)s:", timeout_ms: 1000}
 backends:
-  - {name: pool-a, url: "demo://", models: [base]}
+  - {name: pool-a, url: "demo://", models: [base, rated]}
 limits:
   - {model: base, tokens: 20, token_window: 1h}
+  - {model: rated, requests_per_minute: 4, shared: true}
 """
 
 
-def test_two_sidecars_sharing_redis_enforce_one_budget(stack_factory, redis_server):
-    s = stack_factory(SHARED % {"url": redis_server.url, "run": time.time_ns()}, sidecars=2)
+@pytest.fixture(scope="module")
+def shared_stack(stack_factory, redis_server):
+    return stack_factory(SHARED % {"url": redis_server.url, "run": time.time_ns()}, sidecars=2)
+
+
+def test_two_sidecars_sharing_redis_enforce_one_budget(shared_stack):
+    s = shared_stack
 
     def refusals(i: int) -> float:
         return sidecar_metric(s.metrics_text()[i], "model_router_decisions_total", outcome="429")
@@ -211,3 +217,23 @@ def test_two_sidecars_sharing_redis_enforce_one_budget(stack_factory, redis_serv
     # Every served request but the last few admitted before the charges arrived stayed
     # within the budget: the demo engine answers 3 prompt tokens and a few completion.
     assert served < 20
+
+
+def test_a_shared_rate_is_one_count_across_sidecars(shared_stack):
+    """Envoy asks the sidecars' rate-limit service (round robin over both);
+    they count in one Redis key per minute: 4 served, then 429. A minute
+    boundary crossed mid-run starts a new count, so the run is tried again."""
+    for _ in range(3):
+        minute = int(time.time() // 60)
+        answers = [ask(shared_stack, "rated", headers={}) for _ in range(6)]
+        if int(time.time() // 60) != minute:
+            continue
+        codes = [r.status_code for r in answers]
+        assert codes == [200] * 4 + [429] * 2, codes
+        assert [r.headers["x-ratelimit-remaining-requests"] for r in answers[:4]] == ["3", "2", "1", "0"]
+        assert {r.headers["x-ratelimit-limit-requests"] for r in answers} == {"4"}
+        assert all(re.fullmatch(r"[0-9]+s", r.headers["x-ratelimit-reset-requests"]) for r in answers)
+        err = answers[-1].json()["error"]
+        assert err["code"] == "rate_limit_exceeded" and "'rated'" in err["message"]
+        return
+    pytest.fail("three runs in a row crossed a minute boundary")

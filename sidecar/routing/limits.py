@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 from .. import errors
 from ..errors import Reply
-from ..limit_rules import KEY_HEADER, MODEL_HEADER, Rule
+from ..limit_rules import KEY_HEADER, MODEL_HEADER, SHARED_KEY_HEADER, SHARED_MODEL_HEADER, Rule
 from ..snapshot import Snapshot
 from .route import Meta
 
@@ -47,11 +47,14 @@ class LimitPlan:
     budgets: tuple[str, ...]  # rule ids this request's tokens are charged to
     tightest: BudgetState | None  # the budget with the fewest tokens left
     now: float
+    request_limit: int | None = None  # the smallest request allowance among the rates that apply
+
 
     def metadata(self) -> Meta:
         m: Meta = {"limit_model": self.model}
-        if self.headers:
-            m["x_rl_unit"] = "s"  # completes Envoy's reset count into a duration, only when a rate applies
+        if self.request_limit is not None:
+            # Envoy counts; these complete its figures into OpenAI's header values.
+            m.update(x_rl_unit="s", x_rl_limit=str(self.request_limit))
         if self.budgets:
             m["budgets"] = BUDGET_SEPARATOR.join(self.budgets)
         if self.tightest is not None:
@@ -78,16 +81,22 @@ def budget_state(rule: Rule, spent: Spent, now: float) -> BudgetState:
 def plan(rules: tuple[Rule, ...], model: str, key_id: str | None, spent: Spent, now: float) -> LimitPlan | BudgetState:
     """The plan for a request under ``rules``, or the spent budget that refuses it."""
     headers: list[tuple[str, str]] = []
-    if any(r.rate is not None for r in rules):
-        headers.append((MODEL_HEADER, model))
-        if key_id is not None and any(r.rate is not None and r.key_id == key_id for r in rules):
-            headers.append((KEY_HEADER, key_id))
+    for shared, model_header, key_header in ((False, MODEL_HEADER, KEY_HEADER),
+                                             (True, SHARED_MODEL_HEADER, SHARED_KEY_HEADER)):
+        rated = [r for r in rules if r.rate is not None and r.shared == shared]
+        if rated:
+            headers.append((model_header, model))
+            if key_id is not None and any(r.key_id == key_id for r in rated):
+                headers.append((key_header, key_id))
     states = [budget_state(r, spent, now) for r in rules if r.tokens is not None]
     for s in states:
         if s.remaining <= 0:
             return s
     tightest = min(states, key=lambda s: s.remaining) if states else None
-    return LimitPlan(model, tuple(headers), tuple(s.rule.id for s in states), tightest, now)
+    # A local bucket allows its burst at once; a shared window its rate.
+    allowances = [r.rate[0] if r.shared else r.burst for r in rules if r.rate is not None]
+    return LimitPlan(model, tuple(headers), tuple(s.rule.id for s in states), tightest, now,
+                     min(allowances) if allowances else None)
 
 
 def duration(seconds: float) -> str:
