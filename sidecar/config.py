@@ -721,6 +721,9 @@ def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> Non
     models = {m for b in config.backends for m in b.models or ()} | {e.model for e in config.model_experiments}
     models |= set(config.model_aliases.values()) | {n for m in config.model_metadata for n in (m.id, *m.aliases)}
     all_declared = all(b.models is not None for b in config.backends if b.enabled)
+    if config.redis is None and config.server.workers > 1 and any(lim.tokens for lim in config.limits):
+        warnings.append(f"limits: each of the {config.server.workers} workers counts token budgets on its own "
+                        "without a redis: section, so a budget can be spent up to once per worker")
     seen: dict[tuple[str, str | None], int] = {}
     for i, lim in enumerate(config.limits):
         p = f"limits[{i}]"
