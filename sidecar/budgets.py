@@ -91,9 +91,12 @@ class Budgets:
             return
         totals = results[2 * len(pending):]
         for (r, window), total in zip(current, totals):
-            shared = int(total or 0)
             # Charges made since this sync began are in _pending and not yet in Redis.
-            self.spent[r.id] = (window, shared + self._pending.get((r.id, window), 0))
+            shared = int(total or 0) + self._pending.get((r.id, window), 0)
+            seen = self.spent.get(r.id)
+            if seen is not None and seen[0] == window:
+                shared = max(shared, seen[1])  # within a window a count only grows (Redis may have lost it)
+            self.spent[r.id] = (window, shared)
 
     async def run(self, clock: Callable[[], float]) -> None:
         while True:
