@@ -142,4 +142,4 @@ def refusal(state: BudgetState, model: str, family: str, now: float) -> Reply:
         *((k.replace("_", "-"), str(v)) for k, v in token_headers(state, now).items()),
     )
     return Reply(reply.status, reply.body, headers,
-                 meta=(("limit_refused", "tokens"), ("limit_model", model)))
+                 meta=(("limit_refused", "tokens"), ("limit_model", model), ("client_model", model)))
