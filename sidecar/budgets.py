@@ -21,11 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-from . import shared_store
+from . import metrics, shared_store
 from .limit_rules import Rule
-from .routing.limits import window_of
+from .routing.limits import BUDGET_SEPARATOR, window_of
 from .snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from .metering import Entry
 
 log = logging.getLogger("model_router.budgets")
 
@@ -41,6 +45,22 @@ class Budgets:
 
     def _rules(self) -> dict[str, Rule]:
         return {r.id: r for rs in self.snapshot().limits.values() for r in rs if r.tokens is not None}
+
+    def observe(self, e: Entry) -> None:
+        """An access-log entry (a metering observer): a refusal by a limit is
+        counted; a budgeted request's tokens are charged."""
+        d = e.decision
+        model = d.get("limit_model")
+        if not model:
+            return
+        if e.status == 429 and (e.rate_limited or d.get("limit_refused")):
+            kind = "requests" if e.rate_limited else str(d["limit_refused"])
+            metrics.LIMIT_REFUSALS.labels(model, d.get("key_id") or "", kind).inc()
+            return
+        budgets = d.get("budgets")
+        if budgets and d.get("kind") in ("routed", "answered"):
+            tokens = (e.prompt_tokens or 0) + (e.completion_tokens or 0)
+            self.charge(str(budgets).split(BUDGET_SEPARATOR), tokens, e.start)
 
     def charge(self, rule_ids: Iterable[str], tokens: int, start: float) -> None:
         """A request's tokens, against each budget it was admitted under."""

@@ -29,9 +29,7 @@ import orjson
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from . import metrics
-from .budgets import Budgets
 from .response_stream import NAMESPACE, USAGE_NAMESPACE
-from .routing.limits import BUDGET_SEPARATOR
 
 log = logging.getLogger("model_router.metering")
 
@@ -53,6 +51,8 @@ class Entry:
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
     rate_limited: bool = False  # Envoy's request-rate filter refused it
+    traceparent: str | None = None  # the client's W3C trace context headers, as sent
+    tracestate: str | None = None
 
 
 def _seconds(d) -> float | None:
@@ -89,6 +89,8 @@ def entry_of(log_entry) -> Entry:
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flags.rate_limited,
+        traceparent=log_entry.request.request_headers.get("traceparent"),
+        tracestate=log_entry.request.request_headers.get("tracestate"),
     )
 
 
@@ -161,23 +163,29 @@ class JsonLinesSink:
             os.close(self._fd)
 
 
-class Meter:
-    """Turns entries into metrics, passive health reports and usage records."""
+class Observer(Protocol):
+    """Something else made of each entry (a span, a log line); must not block."""
 
-    def __init__(
-        self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
-        budgets: Budgets | None = None,
-    ) -> None:
+    def observe(self, entry: Entry) -> None: ...
+
+
+class Meter:
+    """Turns entries into metrics, passive health reports and usage records,
+    and hands each to the observers."""
+
+    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
+                 observers: Iterable[Observer] = ()) -> None:
         self.report_failure = report_failure
         self.sink = sink
-        self.budgets = budgets
+        self.observers = tuple(observers)
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
         for e in entries:
             metrics.ACCESS_LOG_ENTRIES.inc()
             self._count(e)
-            self._limits(e)
+            for observer in self.observers:
+                observer.observe(e)
             if self.sink is not None and (rec := usage_record(e)) is not None:
                 records.append(rec)
         if records and self.sink is not None:
@@ -186,21 +194,6 @@ class Meter:
             except OSError as exc:
                 metrics.USAGE_RECORDS_DROPPED.inc(len(records))
                 log.error("usage records could not be written: %s", exc)
-
-    def _limits(self, e: Entry) -> None:
-        """Refusals by a limit, and the tokens a budgeted request used."""
-        d = e.decision
-        model = d.get("limit_model")
-        if not model:
-            return
-        if e.status == 429 and (e.rate_limited or d.get("limit_refused")):
-            kind = "requests" if e.rate_limited else str(d["limit_refused"])
-            metrics.LIMIT_REFUSALS.labels(model, d.get("key_id") or "", kind).inc()
-            return
-        budgets = d.get("budgets")
-        if budgets and self.budgets is not None and d.get("kind") in ("routed", "answered"):
-            tokens = (e.prompt_tokens or 0) + (e.completion_tokens or 0)
-            self.budgets.charge(str(budgets).split(BUDGET_SEPARATOR), tokens, e.start)
 
     def _count(self, e: Entry) -> None:
         d = e.decision

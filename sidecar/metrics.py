@@ -101,6 +101,9 @@ SHED = Counter(
 )
 
 
+# At selection (the model had no admissible backend); after a failed attempt
+# (connect failure, reset, 5xx, 429).
+FALLBACK_REASONS = ("no_admissible_backend", "upstream_error")
 FALLBACKS = Counter(
     "model_router_fallbacks_total",
     "Requests served by a fallback-chain hop (experiment and variant empty outside experiments; "
@@ -127,6 +130,19 @@ USAGE_RECORDS_DROPPED = Counter(
     "Usage records that could not be written to their sink.",
     registry=REGISTRY,
 )
+TRACE_SPANS_EXPORTED = Counter(
+    "model_router_trace_spans_exported_total",
+    "router.request spans the OTLP collector accepted.",
+    registry=REGISTRY,
+)
+TRACE_SPANS_DROPPED = Counter(
+    "model_router_trace_spans_dropped_total",
+    "router.request spans lost: the export queue was full, the export failed, or the collector rejected them.",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("queue_full", "export_failed", "rejected"):
+    TRACE_SPANS_DROPPED.labels(_reason)
 
 WEB_SEARCH_REQUESTS = Counter(
     "model_router_web_search_requests_total",
@@ -173,14 +189,17 @@ def prime(config: Config) -> None:
                 for assignment in ASSIGNMENTS:
                     EXPERIMENT_REQUESTS.labels(e.name, v.id, status, assignment)
     chains = config.fallback_chains
+    reasons = FALLBACK_REASONS if config.fallback_attempts else FALLBACK_REASONS[:1]
     for origin, chain in chains.items():
         for hop in chain:
-            FALLBACKS.labels("", "", origin, hop, "no_admissible_backend")
+            for reason in reasons:
+                FALLBACKS.labels("", "", origin, hop, reason)
     for e in config.model_experiments:
         if e.fallback == "cross_variant":
             for v in e.variants:
                 for hop in chains.get(v.model, ()):
-                    FALLBACKS.labels(e.name, v.id, v.model, hop, "no_admissible_backend")
+                    for reason in reasons:
+                        FALLBACKS.labels(e.name, v.id, v.model, hop, reason)
     for lim in config.limits:
         for kind, on in (("requests", lim.rate is not None), ("tokens", lim.tokens is not None)):
             if on:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import random
 import signal
 import sys
@@ -28,8 +27,11 @@ from . import config as config_mod
 from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
+from .logs import DecisionLog
+from .logs import setup as setup_logging
 from .metering import AccessLogService, JsonLinesSink, Meter
 from .ratelimit_service import RateLimitService
+from .tracing import Tracer
 
 log = logging.getLogger("model_router.server")
 
@@ -336,7 +338,8 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    meter = Meter(runtime.report_response, _SinkOf(runtime), runtime.budgets)
+    tracer = Tracer(lambda: runtime.snapshot.config.tracing)
+    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets))
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
@@ -355,6 +358,7 @@ async def serve_async(
     if port == 0:
         raise SystemExit(f"error: cannot listen for gRPC on {grpc_listen} (address in use?)")
     await server.start()
+    tracer.start()
 
     runner = web.AppRunner(_admin_app(runtime), access_log=None)
     await runner.setup()
@@ -416,6 +420,7 @@ async def serve_async(
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
+    await tracer.close()
     await runtime.monitor.stop()
     await runtime.budgets.stop(time.time())
     await runtime.close()
@@ -434,11 +439,8 @@ async def _drain(server, processor: Processor, access_log: AccessLogService, gra
     await stopping
 
 
-def serve(config_path: str, **kwargs) -> None:
-    logging.basicConfig(
-        level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def serve(config_path: str, log_format: str | None = None, **kwargs) -> None:
+    setup_logging(log_format)
     try:
         import uvloop
 
