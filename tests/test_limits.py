@@ -226,7 +226,10 @@ def test_a_shared_rate_is_one_count_across_sidecars(shared_stack):
     boundary crossed mid-run starts a new count, so the run is tried again."""
     for _ in range(3):
         minute = int(time.time() // 60)
+        before = envoy_stat(shared_stack, "ext_proc.stream_msgs_sent")
+        refusals = sidecar_metric_sum(shared_stack, model="rated", kind="requests")
         answers = [ask(shared_stack, "rated", headers={}) for _ in range(6)]
+        assert envoy_stat(shared_stack, "ext_proc.stream_msgs_sent") - before == 12  # the service is no ext_proc work
         if int(time.time() // 60) != minute:
             continue
         codes = [r.status_code for r in answers]
@@ -236,5 +239,7 @@ def test_a_shared_rate_is_one_count_across_sidecars(shared_stack):
         assert all(re.fullmatch(r"[0-9]+s", r.headers["x-ratelimit-reset-requests"]) for r in answers)
         err = answers[-1].json()["error"]
         assert err["code"] == "rate_limit_exceeded" and "'rated'" in err["message"]
+        assert wait_metric(shared_stack, "model_router_limit_refusals_total", refusals + 2, model="rated",
+                           key_id="", kind="requests") == refusals + 2
         return
     pytest.fail("three runs in a row crossed a minute boundary")
