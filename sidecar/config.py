@@ -29,6 +29,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
@@ -456,6 +457,49 @@ class Cache(_Model):
     experiments: list[Name] | None = None
 
 
+class Limit(_Model):
+    """A request rate and/or a token budget for one client-facing model (the
+    base id after a variant suffix), for every caller or for one key id."""
+
+    model: ModelName
+    key_id: Name | None = None  # None: every caller of the model together
+    requests_per_second: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    requests_per_minute: Annotated[int, Field(ge=1, le=60_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=60_000_000)] | None = None  # bucket size; default: the rate
+    tokens: Annotated[int, Field(ge=1)] | None = None  # prompt + completion tokens per window
+    token_window: Annotated[int, Field(ge=1, le=366 * 86400)] = 86400  # seconds; day: UTC midnight to midnight
+    # Count the request rate in Redis through the sidecar's rate-limit service,
+    # so every Envoy and replica shares it (fixed windows; needs redis:).
+    shared: bool = False
+
+    @field_validator("token_window", mode="before")
+    @classmethod
+    def _window(cls, v: Any) -> int:
+        return 86400 if v == "day" else parse_duration(v)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Limit:
+        if self.requests_per_second is not None and self.requests_per_minute is not None:
+            raise ValueError("give requests_per_second or requests_per_minute, not both")
+        rate = self.requests_per_second or self.requests_per_minute
+        if rate is None and self.burst is not None:
+            raise ValueError("burst needs requests_per_second or requests_per_minute")
+        if rate is None and self.tokens is None:
+            raise ValueError("a limit needs a request rate, a token budget (tokens), or both")
+        if self.shared and (rate is None or self.burst is not None):
+            raise ValueError("shared counts a request rate in fixed windows: it needs a rate and takes no burst")
+        return self
+
+    @property
+    def rate(self) -> tuple[int, int] | None:
+        """(requests, per seconds), or None without a request rate."""
+        if self.requests_per_second is not None:
+            return self.requests_per_second, 1
+        if self.requests_per_minute is not None:
+            return self.requests_per_minute, 60
+        return None
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -476,6 +520,7 @@ class Config(_Model):
     fallback_attempts: Annotated[int, Field(ge=0, le=3)] = 1
     tracing: Tracing = Tracing()
     cache: Cache | None = None
+    limits: list[Limit] = []
 
 
 @dataclass
@@ -720,6 +765,7 @@ def check(config: Config) -> tuple[list[str], list[str]]:
                 )
     _check_chains(config, reserved, errors, warnings)
     _check_cache(config, errors)
+    _check_limits(config, errors, warnings)
     return errors, warnings
 
 
@@ -733,6 +779,30 @@ def _check_cache(config: Config, errors: list[str]) -> None:
     for i, name in enumerate(cache.experiments or []):
         if name not in names:
             errors.append(f"cache.experiments[{i}]: unknown experiment '{name}'")
+
+
+def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> None:
+    key_ids = {k.id for k in config.api_keys or ()}
+    models = {m for b in config.backends for m in b.models or ()} | {e.model for e in config.model_experiments}
+    models |= set(config.model_aliases.values()) | {n for m in config.model_metadata for n in (m.id, *m.aliases)}
+    all_declared = all(b.models is not None for b in config.backends if b.enabled)
+    if config.redis is None and config.server.workers > 1 and any(lim.tokens for lim in config.limits):
+        warnings.append(f"limits: each of the {config.server.workers} workers counts token budgets on its own "
+                        "without a redis: section, so a budget can be spent up to once per worker")
+    seen: dict[tuple[str, str | None], int] = {}
+    for i, lim in enumerate(config.limits):
+        p = f"limits[{i}]"
+        if (lim.model, lim.key_id) in seen:
+            errors.append(f"{p}: a second limit for model '{lim.model}'"
+                          + (f" and key id '{lim.key_id}'" if lim.key_id else "")
+                          + f" (also limits[{seen[lim.model, lim.key_id]}])")
+        seen.setdefault((lim.model, lim.key_id), i)
+        if lim.shared and config.redis is None:
+            errors.append(f"{p}.shared: a shared request rate is counted in Redis; add a redis: section")
+        if lim.key_id is not None and lim.key_id not in key_ids:
+            errors.append(f"{p}.key_id: unknown key id '{lim.key_id}' (no api_keys entry has it)")
+        if all_declared and lim.model not in models:
+            warnings.append(f"{p}.model: '{lim.model}' is not a model any backend, experiment or alias names")
 
 
 def _check_chains(config: Config, reserved: dict[str, str], errors: list[str], warnings: list[str]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from . import envoy_fallback, snapshot
+from . import envoy_fallback, envoy_limits, snapshot
 from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import (
@@ -156,7 +156,7 @@ def _local_reply_config() -> dict:
         }},
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
-    mappers: list[dict] = [{"filter": ours}]
+    mappers: list[dict] = [{"filter": ours}, *envoy_limits.reply_mappers(anthropic)]
     for status, code, kind, headers in _ENVOY_REPLIES:
         for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _openai_error(code, kind))):
             mappers.append({
@@ -504,11 +504,13 @@ def bootstrap(
         "request_timeout": "0s",
         "route_config": {
             "name": "model_router",
-            "request_headers_to_remove": [BACKEND_HEADER, RESPONSE_HEADER, *CLIENT_ROUTER_HEADERS],
+            "request_headers_to_remove": [
+                BACKEND_HEADER, RESPONSE_HEADER, *CLIENT_ROUTER_HEADERS, *envoy_limits.INTERNAL_REQUEST_HEADERS,
+            ],
             # An upstream cannot forge the router's attribution; the router's own
             # comes from the decision's metadata (applied after the removal).
-            "response_headers_to_remove": list(ATTRIBUTION_HEADERS),
-            "response_headers_to_add": _attribution_headers(),
+            "response_headers_to_remove": [*ATTRIBUTION_HEADERS, *envoy_limits.response_headers_to_remove(config)],
+            "response_headers_to_add": _attribution_headers() + envoy_limits.response_headers_to_add(),
             "virtual_hosts": [
                 {
                     "name": "all",
@@ -522,6 +524,8 @@ def bootstrap(
         },
         "http_filters": [
             ext_proc,
+            # Request rates, on the descriptor the decision names (none: no filter).
+            *envoy_limits.filters(config),
             # Token usage into metadata, read from the upstream's bytes (the
             # encode path meets these before ext_proc).
             _json_usage_filter(),

@@ -15,7 +15,7 @@ Kind = Literal[
     "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
     "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
-    "gateway_timeout", "internal", "overloaded",
+    "gateway_timeout", "internal", "overloaded", "rate_limited",
 ]
 
 # kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
@@ -39,6 +39,7 @@ _KINDS: dict[Kind, tuple[int, str, str, str]] = {
     "gateway_timeout": (504, "server_error", "upstream_timeout", "api_error"),
     "internal": (500, "server_error", "internal_error", "api_error"),
     "overloaded": (503, "server_error", "router_overloaded", "overloaded_error"),
+    "rate_limited": (429, "tokens", "rate_limit_exceeded", "rate_limit_error"),
 }
 # Kinds that pass by themselves soon: the reply says when to come back.
 _RETRY_AFTER: dict[Kind, str] = {"overloaded": "1", "no_backend": "1"}

@@ -291,6 +291,7 @@ class Processor(pbg.ExternalProcessorServicer):
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
             now=time.time(), pick=self._counter, rand=self._rand.random(),
             states=self.runtime.backend_states(), mono=time.monotonic(), trace=st.trace,
+            spent=self.runtime.budgets.spent,
         )
         try:
             route = routing.decide(snap, req)
@@ -377,6 +378,8 @@ class Processor(pbg.ExternalProcessorServicer):
         would take the request past Envoy's header limits (Envoy would answer
         that mutation with a 503 that blames the server)."""
         sets = [(BACKEND_HEADER, route.cluster), *route.set_headers]
+        if route.limits is not None:
+            sets += route.limits.headers  # the descriptor Envoy's rate-limit filter reads
         if route.path is not None:
             sets.append((":path", route.path))
         if route.body is not None:

@@ -53,6 +53,7 @@ class Entry:
     completion_tokens: int | None
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
+    rate_limited: bool = False  # Envoy's request-rate filter refused it
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
 
@@ -90,6 +91,7 @@ def entry_of(log_entry) -> Entry:
             or flags.upstream_protocol_error or flags.no_healthy_upstream
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+        rate_limited=flags.rate_limited,
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
     )

@@ -173,6 +173,14 @@ ASSIGNMENTS = ("sticky", "random")
 SUFFIXES = ("nitro", "floor", "thinking", "online")
 
 
+LIMIT_REFUSALS = Counter(
+    "model_router_limit_refusals_total",
+    "Requests refused by a limit: kind requests (Envoy's request-rate filter) or tokens (a spent token budget).",
+    ["model", "key_id", "kind"],
+    registry=REGISTRY,
+)
+
+
 def prime(config: Config) -> None:
     """Create every label set ``config`` implies, at zero."""
     for result in ("success", "failure"):
@@ -206,6 +214,10 @@ def prime(config: Config) -> None:
         for e in config.model_experiments:
             for v in e.variants:
                 EXPERIMENT_CACHE_HITS.labels(e.name, v.id)
+    for lim in config.limits:
+        for kind, on in (("requests", lim.rate is not None), ("tokens", lim.tokens is not None)):
+            if on:
+                LIMIT_REFUSALS.labels(lim.model, lim.key_id or "", kind)
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):

@@ -18,16 +18,19 @@ import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
 from . import config as config_mod
+from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
 from .logs import DecisionLog
 from .logs import setup as setup_logging
 from .metering import AccessLogService, JsonLinesSink, Meter
+from .ratelimit_service import RateLimitService
 from .tracing import Tracer
 
 log = logging.getLogger("model_router.server")
@@ -57,6 +60,7 @@ class Runtime:
         # Each worker draws its own bound near the configured one, so they do not recycle together.
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
+        self.budgets = Budgets(lambda: self.snapshot)
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
@@ -335,9 +339,10 @@ async def serve_async(
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
     tracer = Tracer(lambda: runtime.snapshot.config.tracing)
-    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog()))
+    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets))
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     try:
@@ -370,6 +375,7 @@ async def serve_async(
         metrics.WORKER_RESTARTS.labels(reason).set(n)
     runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
     await runtime.monitor.start()
+    runtime.budgets.start(time.time)
     runtime.ready = True
     await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
@@ -416,6 +422,7 @@ async def serve_async(
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await tracer.close()
     await runtime.monitor.stop()
+    await runtime.budgets.stop(time.time())
     await runtime.close()
     await runner.cleanup()
 

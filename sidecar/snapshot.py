@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
+from . import limit_rules
 from .assignment import Race, salt_prefix
 from .config import ApiKey, Backend, Config, Experiment, ModelMetadata
+from .limit_rules import Rule
 
 BACKEND_HEADER = "x-model-router-backend"
 # Request headers in these namespaces belong to the router: Envoy drops any
@@ -83,6 +85,7 @@ class Snapshot:
     # Variant models of experiments that hide them, with every metadata alias
     # of those names and canonical id of those aliases -> experiment name.
     reserved: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)  # client-facing model -> its limits
 
     def resolve(self, name: str) -> tuple[str, tuple[str, ...]]:
         """The catalog's one answer: (the id to dispatch, the backends serving it).
@@ -169,4 +172,5 @@ def build(
         metadata=MappingProxyType(metadata),
         meta_alias=MappingProxyType(meta_alias),
         reserved=MappingProxyType(reserved),
+        limits=limit_rules.index(config),
     )

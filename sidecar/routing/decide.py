@@ -15,7 +15,7 @@ from ..assignment import is_blank
 from ..body import BodyError, replace_field, replace_query_model, set_top_level
 from ..errors import Reply
 from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
-from . import attempts, selection
+from . import attempts, limits, selection
 from .attempts import Hop
 from .cache_key import plan_cache
 from .context import Parsed, Request, parse, sticky_value
@@ -52,6 +52,9 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     refusal = _key_gate(req, client_model, requested) or _reservation(snap, req, client_model, parsed.model)
     if refusal is not None:
         return refusal
+    limited = _limits(snap, req, client_model)
+    if isinstance(limited, Reply):
+        return limited
     plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens")
     target = _experiment(snap, req, parsed, client_model, requested, plan)
     if isinstance(target, Reply):
@@ -64,6 +67,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if hops:
         route.hops = hops
         plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
+    route.limits = limited
     _cache(snap, req, parsed, route, edits, target)
     return route
 
@@ -80,6 +84,26 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
     plan.cache, verdict = plan_cache(cfg, req, route, data, _sorted(target.allowed))
     if req.trace is not None:
         req.trace.stage("cache", verdict, cached=plan.cache is not None)
+
+
+def _limits(snap: Snapshot, req: Request, client_model: str) -> limits.LimitPlan | Reply | None:
+    """The limits on the client-facing model (for an experiment, every arm's):
+    the descriptor for Envoy's request rates, and the token budgets' verdict."""
+    key_id = req.caller.key.id if req.caller.key is not None else None
+    rules = limits.applicable(snap, client_model, key_id)
+    if not rules:
+        if req.trace is not None and snap.limits:
+            req.trace.stage("limits", f"none: no limit names '{client_model}'")
+        return None
+    verdict = limits.plan(rules, client_model, key_id, req.spent, req.now)
+    if req.trace is not None:
+        req.trace.stage(
+            "limits", f"refused: the token budget {verdict.rule.id} is spent" if isinstance(verdict, limits.BudgetState)
+            else f"under {', '.join(r.id for r in rules)}", rules=[r.id for r in rules],
+        )
+    if isinstance(verdict, limits.BudgetState):
+        return limits.refusal(verdict, client_model, req.ingress.family, req.now)
+    return verdict
 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:

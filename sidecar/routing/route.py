@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
 from ..snapshot import BackendInfo, Snapshot
 from .attempts import Hop, composite_cluster
+
+if TYPE_CHECKING:
+    from .limits import LimitPlan
 
 Meta = dict[str, "str | bool"]
 
@@ -99,6 +103,7 @@ class Route:
     set_headers: tuple[tuple[str, str], ...] = ()
     remove_headers: tuple[str, ...] = ()
     plan: ResponsePlan | None = None
+    limits: LimitPlan | None = None  # the limits the request falls under
     hops: tuple[Hop, ...] = ()  # where a failed attempt moves to
 
     @property
@@ -109,6 +114,8 @@ class Route:
 
     def metadata(self) -> Meta:
         m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
+        if self.limits is not None:
+            m.update(self.limits.metadata())
         m["backend"] = self.backend.name
         if self.hops and self.plan is not None:
             # For the hop filter, in one field (each field costs in every access-log entry):
