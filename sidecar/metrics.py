@@ -144,6 +144,13 @@ WEB_SEARCH_ERRORS = Counter(
     "model_router_web_search_provider_errors_total", "Failed calls to the web-search provider.", registry=REGISTRY,
 )
 
+VARIANT_PAUSED = Gauge(
+    "model_experiment_variant_paused",
+    "1 while the arm is paused (out of the race, its weight kept), else 0; set when the config loads.",
+    ["experiment", "variant"],
+    registry=REGISTRY,
+)
+
 
 STATUSES = ("success", "client_error", "server_error")
 ASSIGNMENTS = ("sticky", "random")
@@ -154,7 +161,10 @@ def prime(config: Config) -> None:
     """Create every label set ``config`` implies, at zero."""
     for result in ("success", "failure"):
         CONFIG_RELOADS.labels(result)
+    VARIANT_PAUSED.clear()  # arms the config no longer has leave the page
     for e in config.model_experiments:
+        for v in e.variants:
+            VARIANT_PAUSED.labels(e.name, v.id).set(1 if v.paused else 0)
         if e.hide_variant_models:
             RESERVED_REFUSALS.labels(e.name)
         for v in e.variants:

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
+from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
 from . import config as config_mod
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
@@ -130,7 +130,10 @@ class Runtime:
             raise config_mod.ConfigError([f"(root): {type(exc).__name__}"], loaded.warnings) from None
         return loaded
 
-    def reload(self) -> bool:
+    def reload(self, mark_seen: bool = False) -> bool:
+        """Load the file again; ``mark_seen``: the watcher need not reload this version."""
+        if mark_seen:
+            self._stamp = self._file_stamp()
         try:
             loaded = config_mod.load(self.path)
             new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
@@ -215,6 +218,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
     app.router.add_post("/admin/reload", reload_view)
     app.router.add_post("/admin/config", guarded(_dry_run))
     app.router.add_post("/admin/explain", guarded(_explain))
+    admin_config.add_routes(app, guarded)
     return app
 
 
@@ -246,8 +250,8 @@ def memory_report() -> dict:
 async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
     """``POST /admin/config?dry_run=1``: what a config would do to experiment assignments."""
     if request.query.get("dry_run") != "1":
-        return web.json_response({"error": "only dry runs are served: POST /admin/config?dry_run=1; the sidecar "
-                                           "applies a config when its file changes"}, status=400)
+        return web.json_response({"error": "POST /admin/config serves dry runs (?dry_run=1); "
+                                           "PUT /admin/config applies a config"}, status=400)
     try:
         text = (await request.read()).decode("utf-8")
     except web.HTTPRequestEntityTooLarge:
