@@ -137,6 +137,10 @@ class Sink(Protocol):
     def write(self, records: list[dict[str, Any]]) -> None: ...
 
 
+class Srm(Protocol):
+    def observe(self, experiment: str, variant: str, caller: str) -> None: ...
+
+
 class JsonLinesSink:
     """Usage records as JSON lines appended to a file (``-``: standard output).
 
@@ -160,9 +164,12 @@ class JsonLinesSink:
 class Meter:
     """Turns entries into metrics, passive health reports and usage records."""
 
-    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None) -> None:
+    def __init__(
+        self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None, srm: Srm | None = None,
+    ) -> None:
         self.report_failure = report_failure
         self.sink = sink
+        self.srm = srm
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
@@ -200,6 +207,9 @@ class Meter:
                 metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
+        caller = d.get("caller")
+        if self.srm is not None and caller and status_class(e) == "success":
+            self.srm.observe(experiment, variant, caller)  # a caller this arm served
         if e.prompt_tokens:
             metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens:

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
+from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, srm, workers
 from . import config as config_mod
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
@@ -336,7 +336,9 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    meter = Meter(runtime.report_response, _SinkOf(runtime))
+    sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
+    metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
+    meter = Meter(runtime.report_response, _SinkOf(runtime), sample_ratio)
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     health_service = health.aio.HealthServicer()
