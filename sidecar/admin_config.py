@@ -28,8 +28,13 @@ class Rejected(Exception):
         super().__init__("; ".join(errors))
 
 
+class WriteFailed(Exception):
+    """The config was valid but the file could not be replaced (read-only mount, permissions)."""
+
+
 def apply(runtime: Runtime, text: str) -> config_mod.Loaded:
-    """Validate ``text``, write it over the config file and reload. Raises :class:`Rejected`."""
+    """Validate ``text``, write it over the config file and reload.
+    Raises :class:`Rejected` or :class:`WriteFailed`; a rejected config leaves the file untouched."""
     masked = config_edit.still_masked(text)
     try:
         loaded = runtime.candidate(text)
@@ -37,7 +42,10 @@ def apply(runtime: Runtime, text: str) -> config_mod.Loaded:
         raise Rejected(masked + exc.errors, exc.warnings) from None
     if masked:
         raise Rejected(masked, loaded.warnings)
-    config_edit.write_atomic(runtime.path, text)
+    try:
+        config_edit.write_atomic(runtime.path, text)
+    except OSError as exc:
+        raise WriteFailed(f"cannot write {runtime.path}: {exc.strerror or type(exc).__name__}") from None
     if not runtime.reload(mark_seen=True):
         # Validated a moment ago: only an environment change in between gets here.
         raise Rejected(["(root): written, but the reload rejected it; see the sidecar's log"], loaded.warnings)
@@ -63,6 +71,8 @@ async def put_config(runtime: Runtime, request: web.Request) -> web.Response:
         loaded = apply(runtime, text)
     except Rejected as exc:
         return _invalid(exc)
+    except WriteFailed as exc:
+        return web.json_response({"error": str(exc)}, status=500)
     return web.json_response({"applied": True, "path": str(runtime.path), "warnings": loaded.warnings})
 
 
@@ -96,6 +106,8 @@ def pause_view(paused: bool):
                 out["warnings"] = apply(runtime, new).warnings
             except Rejected as exc:
                 return _invalid(exc)
+            except WriteFailed as exc:
+                return web.json_response({"error": str(exc)}, status=500)
         return web.json_response(out)
 
     return view

@@ -31,25 +31,52 @@ def run(args) -> int:
     if not changed:
         print(f"{args.experiment}/{args.variant} is already {verb}; {path} is unchanged")
         return 0
-    try:
-        loaded = config_mod.parse(new)
-    except config_mod.ConfigError as exc:
-        for e in exc.errors:
+    introduced, already = _problems(new, text)
+    if introduced:
+        for e in introduced:
             print(f"error: {e}", file=sys.stderr)
         print(f"{path}: unchanged, the edit would make it invalid", file=sys.stderr)
         return 1
-    for w in loaded.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    config_edit.write_atomic(path, new)
-    print(f"{verb} {args.experiment}/{args.variant} in {path}; {_movement(loaded.config, args, paused)}")
+    for e in already:
+        # Typically ${ENV} references this shell does not set; the sidecars' environment judges them.
+        print(f"warning: not checked here, the file already fails with: {e}", file=sys.stderr)
+    try:
+        config_edit.write_atomic(path, new)
+    except OSError as exc:
+        print(f"error: cannot write {path}: {exc}", file=sys.stderr)
+        return 1
+    share = _movement(config_edit.set_paused(text, args.experiment, args.variant, True)[0], args, paused)
+    print(f"{verb} {args.experiment}/{args.variant} in {path}; {share}")
     return 0
 
 
-def _movement(config: config_mod.Config, args, paused: bool) -> str:
+def _problems(new: str, old: str) -> tuple[list[str], list[str]]:
+    """(errors the edit introduces, errors the file had before it), by the loader."""
+    try:
+        config_mod.parse(new)
+        return [], []
+    except config_mod.ConfigError as exc:
+        errors = exc.errors
+    try:
+        config_mod.parse(old)
+        before: list[str] = []
+    except config_mod.ConfigError as exc:
+        before = exc.errors
+    return [e for e in errors if e not in before], [e for e in errors if e in before]
+
+
+def _movement(paused_text: str, args, paused: bool) -> str:
     """Which share of sticky callers changes arm: those the arm holds while in the race."""
-    exp = next(e for e in config.model_experiments if e.name == args.experiment)
-    racing = [(v.id, v.weight if v.id == args.variant else v.race_weight) for v in exp.variants]
-    share = float(reassignment.shares(racing).get(args.variant, 0))
+    import yaml
+
+    doc = yaml.safe_load(paused_text)
+    exp = next(e for e in doc["model_experiments"] if e.get("name") == args.experiment)
+    racing = []
+    for v in exp["variants"]:
+        w = v.get("weight")
+        w = w if isinstance(w, int) and not isinstance(w, bool) else 0
+        racing.append((v["id"], w if v["id"] == args.variant or not v.get("paused") else 0))
+    share = float(reassignment.shares(racing).get(args.variant, 0)) if any(w for _, w in racing) else 0.0
     if paused:
         return f"its callers ({share:.1%} of sticky callers) move to the other arms by weight; no one else moves"
     return f"its earlier callers ({share:.1%} of sticky callers) come back to it; no one else moves"

@@ -207,3 +207,26 @@ def test_the_last_racing_arm_cannot_be_paused(tmp_path):
     assert cli.returncode == 1
     assert "model_experiments[0].variants: every variant with a weight above 0 is paused" in cli.stderr
     assert path.read_text() == before
+
+
+def test_pause_from_a_shell_without_the_configs_environment(tmp_path):
+    """A ${ENV} reference this shell does not set is the sidecars' business: the edit still goes in."""
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG.replace(UPSTREAM_KEY, "'${MR_TEST_UNSET_UPSTREAM_KEY}'"))
+    cli = subprocess.run([sys.executable, "-m", "sidecar", "experiments", "pause", "--config", str(path),
+                          "--experiment", "split", "--variant", "b"], capture_output=True, text=True,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "MR_TEST_UNSET_UPSTREAM_KEY"})
+    assert cli.returncode == 0, cli.stderr
+    assert "environment variable MR_TEST_UNSET_UPSTREAM_KEY is not set" in cli.stderr
+    assert "30.0% of sticky callers" in cli.stdout
+    assert "weight: 30\n        paused: true" in path.read_text()
+    assert "${MR_TEST_UNSET_UPSTREAM_KEY}" in path.read_text()
+
+
+@pytest.mark.parametrize(("experiment", "variant", "error"), [
+    ("nope", "b", "model_experiments: no experiment named 'nope'"),
+    ("split", "z", "model_experiments[0].variants: experiment 'split' has no variant 'z'"),
+])
+def test_pausing_what_is_not_there_names_it(experiment, variant, error):
+    with pytest.raises(config_edit.EditError, match=error.replace("[", r"\[").replace("]", r"\]")):
+        config_edit.set_paused(CONFIG, experiment, variant, True)
