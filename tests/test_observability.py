@@ -186,8 +186,15 @@ def test_prometheus_scrapes_the_stack_and_every_recording_rule_yields_per_arm_se
             return {s["metric"]["variant"]: float(s["value"][1]) for s in prom.query(name)
                     if s["metric"].get("experiment") == "split"}
 
-        # Every request counted by a scrape and in the rate windows: the broken arm fails every one.
+        def scraped() -> float:
+            got = prom.query('sum(model_experiment_requests_total{experiment="split"})')
+            return float(got[0]["value"][1]) if got else 0.0
+
+        wait_for("a scrape that counts every request", lambda: scraped() == len(codes))
+        # The broken arm fails every one of its callers.
         wait_for("the error rates", lambda: arms_of("model_experiment:error_rate:ratio_rate5m").get("broken") == 1.0)
+        wait_for("durations on every arm", lambda: set(arms_of("model_experiment:request_duration_seconds:p95_5m")) == ARMS
+                 and all(v > 0 for v in arms_of("model_experiment:request_duration_seconds:p95_5m").values()))
         for rule in sorted(recorded()):
             if rule == "model_experiment:srm_p_value:min":
                 series = prom.query(rule)

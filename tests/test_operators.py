@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -184,7 +185,12 @@ def test_pause_moves_only_that_arms_callers_and_resume_brings_them_back(stack):
     assert paused == published([("control", 50), ("b", 30), ("c", 0)], KEYS)
     assert {k: v for k, v in paused.items() if start[k] != "c"} == {k: v for k, v in start.items() if v != "c"}
     assert "c" not in paused.values() and {paused[k] for k in held} == {"control", "b"}
-    # Pausing twice changes nothing; the last racing arm cannot be paused.
+    # The published command agrees on the paused file, for a caller that moved.
+    cli = subprocess.run([sys.executable, "-m", "sidecar", "experiments", "assign", "--config", str(stack.config_path),
+                          "--experiment", "split", "--key", held[0], "--json"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["variant_id"] == paused[held[0]] != "c"
+    # Pausing twice changes nothing.
     assert admin(stack, "POST", "/admin/experiments/split/variants/c/pause").json()["changed"] is False
 
     # Resume through the command, on the file the sidecars read.
