@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import signal
 import sys
 from importlib import resources
@@ -48,6 +46,7 @@ def load_config(path: str):
 def cmd_serve(args) -> int:
     from . import workers as workers_mod
     from .envoyconf import standby_addresses
+    from .logs import setup as setup_logging
     from .server import serve, worker_addresses
 
     loaded = load_config(args.config)
@@ -61,12 +60,14 @@ def cmd_serve(args) -> int:
     overrides = _pairs(args.backend_url, "--backend-url")
     if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
-              url_overrides=overrides, usage_records=args.usage_records)
+              url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format)
         return 0
     # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
     if args.usage_records:
         extra += ["--usage-records", args.usage_records]
+    if args.log_format:
+        extra += ["--log-format", args.log_format]
 
     standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
 
@@ -75,8 +76,7 @@ def cmd_serve(args) -> int:
         return [sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
                 "--grpc-listen", grpc_listen, "--admin-listen", admin_addrs[i], *extra]
 
-    logging.basicConfig(level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_format)
     return workers_mod.serve_workers(worker_argv, grpc_addrs + standby + admin_addrs, workers)
 
 
@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, help="sidecar processes on consecutive ports (overrides server.workers)")
     s.add_argument("--usage-records", metavar="PATH",
                    help="append usage records (JSON lines) here; - for stdout (overrides metering.usage_records)")
+    s.add_argument("--log-format", choices=("text", "json"),
+                   help="log lines as text (default) or one JSON object each (env: MODEL_ROUTER_LOG_FORMAT)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")

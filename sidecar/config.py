@@ -416,6 +416,38 @@ class RedisSettings(_Model):
         return v
 
 
+SamplerName = Literal["always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+                      "parentbased_traceidratio"]
+
+
+class Tracing(_Model):
+    """OTLP trace export, one ``router.request`` span per request, built from the
+    access log (docs/observability.md). A field left out takes its ``OTEL_*``
+    environment variable, then the default; ``OTEL_SDK_DISABLED=true`` wins over all."""
+
+    enabled: bool | None = None  # default: on when an endpoint is known (here or OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)
+    endpoint: str | None = None  # http(s)://host:port[/path]; http/protobuf adds /v1/traces to a bare host:port
+    protocol: Literal["grpc", "http/protobuf"] | None = None  # default grpc
+    headers: dict[str, str] | None = None  # sent with each export (a collector's credentials)
+    timeout_ms: Annotated[int, Field(ge=1, le=60_000)] | None = None  # each export; default 10000
+    service_name: str | None = None  # resource service.name; default model-router
+    resource_attributes: dict[str, str] | None = None
+    sampler: SamplerName | None = None  # default parentbased_always_on
+    sampler_arg: Annotated[float, Field(ge=0, le=1)] | None = None  # the ratio of the *traceidratio samplers; default 1
+    max_queue_size: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # spans waiting; past it dropped; 2048
+    max_export_batch_size: Annotated[int, Field(ge=1, le=100_000)] | None = None  # spans per export; default 512
+    schedule_delay_ms: Annotated[int, Field(ge=10, le=600_000)] | None = None  # between exports; default 5000
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be http://host:port or https://host:port")
+        return v
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -431,6 +463,7 @@ class Config(_Model):
     fallback_chains: dict[ModelName, list[ModelName]] = {}
     metering: Metering = Metering()
     redis: RedisSettings | None = None
+    tracing: Tracing = Tracing()
 
 
 @dataclass

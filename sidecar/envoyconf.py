@@ -361,6 +361,8 @@ def _access_log(flush_interval_ms: int) -> dict:
                 "buffer_flush_interval": f"{flush_interval_ms / 1000:.3f}s",
                 "buffer_size_bytes": 16384,
             },
+            # The client's trace context: the sidecar's spans join its trace.
+            "additional_request_headers_to_log": ["traceparent", "tracestate"],
         },
     }
 

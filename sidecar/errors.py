@@ -66,7 +66,7 @@ def error(kind: Kind, message: str, family: str = "openai", param: str | None = 
     else:
         body = {"error": {"message": message, "type": otype, "param": param, "code": code}}
     retry = _RETRY_AFTER.get(kind)
-    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else ())
+    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else (), meta=(("refusal", kind),))
 
 
 def model_not_found(model: str, family: str, reserved_by: str | None = None) -> Reply:

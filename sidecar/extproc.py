@@ -124,6 +124,8 @@ class _Stream:
         rid = self.headers.get("x-request-id")
         if rid:
             out["request_id"] = rid
+        if self.ingress is not None:
+            out["ingress"] = self.ingress.path
         if self.caller is not None and self.caller.key is not None:
             out["key_id"] = self.caller.key.id
         return out

@@ -50,6 +50,8 @@ class Entry:
     completion_tokens: int | None
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
+    traceparent: str | None = None  # the client's W3C trace context headers, as sent
+    tracestate: str | None = None
 
 
 def _seconds(d) -> float | None:
@@ -85,6 +87,8 @@ def entry_of(log_entry) -> Entry:
             or flags.upstream_protocol_error or flags.no_healthy_upstream
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+        traceparent=log_entry.request.request_headers.get("traceparent"),
+        tracestate=log_entry.request.request_headers.get("tracestate"),
     )
 
 
@@ -137,10 +141,6 @@ class Sink(Protocol):
     def write(self, records: list[dict[str, Any]]) -> None: ...
 
 
-class Srm(Protocol):
-    def observe(self, experiment: str, variant: str, caller: str) -> None: ...
-
-
 class JsonLinesSink:
     """Usage records as JSON lines appended to a file (``-``: standard output).
 
@@ -161,21 +161,29 @@ class JsonLinesSink:
             os.close(self._fd)
 
 
-class Meter:
-    """Turns entries into metrics, passive health reports and usage records."""
+class Observer(Protocol):
+    """Something else made of each entry (a span, a log line); must not block."""
 
-    def __init__(
-        self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None, srm: Srm | None = None,
-    ) -> None:
+    def observe(self, entry: Entry) -> None: ...
+
+
+class Meter:
+    """Turns entries into metrics, passive health reports and usage records,
+    and hands each to the observers."""
+
+    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
+                 observers: Iterable[Observer] = ()) -> None:
         self.report_failure = report_failure
         self.sink = sink
-        self.srm = srm
+        self.observers = tuple(observers)
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
         for e in entries:
             metrics.ACCESS_LOG_ENTRIES.inc()
             self._count(e)
+            for observer in self.observers:
+                observer.observe(e)
             if self.sink is not None and (rec := usage_record(e)) is not None:
                 records.append(rec)
         if records and self.sink is not None:
@@ -207,9 +215,6 @@ class Meter:
                 metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
-        caller = d.get("caller")
-        if self.srm is not None and caller and status_class(e) == "success":
-            self.srm.observe(experiment, variant, caller)  # a caller this arm served
         if e.prompt_tokens:
             metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens:

@@ -127,6 +127,19 @@ USAGE_RECORDS_DROPPED = Counter(
     "Usage records that could not be written to their sink.",
     registry=REGISTRY,
 )
+TRACE_SPANS_EXPORTED = Counter(
+    "model_router_trace_spans_exported_total",
+    "router.request spans the OTLP collector accepted.",
+    registry=REGISTRY,
+)
+TRACE_SPANS_DROPPED = Counter(
+    "model_router_trace_spans_dropped_total",
+    "router.request spans lost: the export queue was full, the export failed, or the collector rejected them.",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("queue_full", "export_failed", "rejected"):
+    TRACE_SPANS_DROPPED.labels(_reason)
 
 WEB_SEARCH_REQUESTS = Counter(
     "model_router_web_search_requests_total",

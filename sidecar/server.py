@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import random
 import signal
 import sys
@@ -26,7 +25,10 @@ from . import admin_config, admin_token, experiments_diff, explain, listing, met
 from . import config as config_mod
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
+from .logs import DecisionLog
+from .logs import setup as setup_logging
 from .metering import AccessLogService, JsonLinesSink, Meter
+from .tracing import Tracer
 
 log = logging.getLogger("model_router.server")
 
@@ -336,9 +338,10 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
+    tracer = Tracer(lambda: runtime.snapshot.config.tracing)
     sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
     metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
-    meter = Meter(runtime.report_response, _SinkOf(runtime), sample_ratio)
+    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), sample_ratio))
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     health_service = health.aio.HealthServicer()
@@ -356,6 +359,7 @@ async def serve_async(
     if port == 0:
         raise SystemExit(f"error: cannot listen for gRPC on {grpc_listen} (address in use?)")
     await server.start()
+    tracer.start()
 
     runner = web.AppRunner(_admin_app(runtime), access_log=None)
     await runner.setup()
@@ -416,6 +420,7 @@ async def serve_async(
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
+    await tracer.close()
     await runtime.monitor.stop()
     await runtime.close()
     await runner.cleanup()
@@ -433,11 +438,8 @@ async def _drain(server, processor: Processor, access_log: AccessLogService, gra
     await stopping
 
 
-def serve(config_path: str, **kwargs) -> None:
-    logging.basicConfig(
-        level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def serve(config_path: str, log_format: str | None = None, **kwargs) -> None:
+    setup_logging(log_format)
     try:
         import uvloop
 

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .metering import Entry, status_class
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -198,8 +200,16 @@ class Tracker:
             name: s for name, s in self.samples.items() if name in self._arms and self._arms[name][1] == s.weights
         }
 
-    def observe(self, experiment: str, variant: str, caller: str) -> None:
-        """A caller an arm served."""
+    def observe(self, entry: Entry) -> None:
+        """An access-log entry: a 2xx an arm served to a sticky caller adds that caller."""
+        d = entry.decision
+        experiment, variant, caller = d.get("experiment"), d.get("variant"), d.get("caller")
+        if (experiment and variant and isinstance(caller, str) and d.get("kind") in ("routed", "answered")
+                and status_class(entry) == "success"):
+            self.add(str(experiment), str(variant), caller)
+
+    def add(self, experiment: str, variant: str, caller: str) -> None:
+        """A caller an arm served (``caller``: the hex digits the decision publishes)."""
         self._refresh()
         arms = self._arms.get(experiment)
         if arms is None or variant not in arms[0]:

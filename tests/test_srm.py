@@ -106,10 +106,10 @@ model_experiments:
     config = {"now": parse(text % "", env={}).config}
     t = srm.Tracker(lambda: config["now"], clock=lambda: 1000.0)
     for i in range(40):
-        t.observe("e", "x" if i % 2 else "y", f"{caller(i):016x}")
-    t.observe("e", "nope", "00ff")  # an arm the config does not have
-    t.observe("other", "x", "00ff")
-    t.observe("e", "x", "not-hex")
+        t.add("e", "x" if i % 2 else "y", f"{caller(i):016x}")
+    t.add("e", "nope", "00ff")  # an arm the config does not have
+    t.add("other", "x", "00ff")
+    t.add("e", "x", "not-hex")
     [(name, arms, counts, p)] = list(t.report())
     assert (name, arms, counts) == ("e", ["x", "y"], [20, 20]) and p == pytest.approx(1.0)
     config["now"] = parse(text % ", paused: true", env={}).config

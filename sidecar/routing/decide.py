@@ -62,7 +62,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
     """A refusal after an arm was chosen still counts on that arm."""
-    return replace(reply, meta=tuple(plan.metadata().items()))
+    return replace(reply, meta=reply.meta + tuple(plan.metadata().items()))
 
 
 def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | None]:
