@@ -201,3 +201,33 @@ model_experiments:
               for v in ("control", "broken")]
     assert skewed == [len(CALLERS) - len(broken), 0]
     assert sidecar_metric(text, "model_experiment_srm_p_value", experiment="skewed") < 0.001
+
+
+def test_the_decision_publishes_the_caller_key_digest_for_sticky_assignments_only():
+    from sidecar import snapshot
+    from sidecar.assignment import caller_key
+    from sidecar.routing import decide
+
+    from .test_decide import req
+
+    snap = snapshot.build(parse("""
+backends: [{name: a, url: "http://127.0.0.1:1", models: [m-a]}]
+model_experiments:
+  - name: by-user
+    model: chat
+    sticky_key: user
+    variants: [{id: x, model: m-a, weight: 1}, {id: y, model: m-a, weight: 1}]
+""", env={}).config)
+    sticky = decide(snap, req("/v1/chat/completions", {"model": "chat", "user": "alice", "messages": []}))
+    md = sticky.metadata()
+    assert md["assignment"] == "sticky"
+    assert md["caller"] == caller_key("by-user", "alice", None, 0)[0][:8].hex()
+    assert "alice" not in orjson_dumps(md)
+    random_draw = decide(snap, req("/v1/chat/completions", {"model": "chat", "messages": []}))
+    assert random_draw.metadata()["assignment"] == "random" and "caller" not in random_draw.metadata()
+
+
+def orjson_dumps(value) -> str:
+    import orjson
+
+    return orjson.dumps(value).decode()
