@@ -463,6 +463,9 @@ class Config(_Model):
     fallback_chains: dict[ModelName, list[ModelName]] = {}
     metering: Metering = Metering()
     redis: RedisSettings | None = None
+    # Further hops of the chain a request may move to, in the same client
+    # request, when its first attempt fails upstream (0: none).
+    fallback_attempts: Annotated[int, Field(ge=0, le=3)] = 1
     tracing: Tracing = Tracing()
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from . import envoy_fallback, snapshot
 from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import (
@@ -243,6 +244,26 @@ def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) 
             "route": action,
         },
         {"name": "default", "match": {"prefix": "/"}, "route": action, "typed_per_filter_config": {RESPONSE_FILTER: disabled}},
+    ]
+
+
+def _with_fallback(config: Config, routes: list[dict]) -> list[dict]:
+    """The routes of decisions with hops to fall back to come first."""
+    plain = [r for r in routes if r["name"] in ("rewrite", "default")]
+    return envoy_fallback.routes(config.fallback_attempts, plain) + routes if config.fallback_chains else routes
+
+
+def _url(config: Config, backend: str) -> str:
+    return next(b.url for b in config.backends if b.name == backend)
+
+
+def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> list[dict]:
+    return [
+        _response_ext_proc(message_timeout_ms, buffer_limit, fail_open),
+        {
+            "name": "envoy.filters.http.upstream_codec",
+            "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
+        },
     ]
 
 
@@ -490,7 +511,10 @@ def bootstrap(
                 {
                     "name": "all",
                     "domains": ["*"],
-                    "routes": _routes(timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config)),
+                    # The fallback filter reads which attempt it sees.
+                    **({"include_request_attempt_count": True} if config.fallback_chains and config.fallback_attempts else {}),
+                    "routes": _with_fallback(config, _routes(timeout_s, config.envoy.idle_timeout_s,
+                                                            _fail_open_cluster(config))),
                 }
             ],
         },
@@ -504,13 +528,7 @@ def bootstrap(
                 "name": "envoy.filters.http.router",
                 "typed_config": {
                     "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
-                    "upstream_http_filters": [
-                        _response_ext_proc(server.message_timeout_ms, buffer_limit, fail_open),
-                        {
-                            "name": "envoy.filters.http.upstream_codec",
-                            "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
-                        },
-                    ],
+                    "upstream_http_filters": _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
                 },
             },
         ],
@@ -549,6 +567,11 @@ def bootstrap(
         if url == "demo://":
             raise ValueError(f"backend '{b.name}' is served by a demo engine; pass its address")
         clusters.append(_backend_cluster(b.name, url, buffer_limit))
+    clusters += envoy_fallback.clusters(
+        snapshot.build(config, urls), config.fallback_attempts,
+        lambda name, backend: _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit),
+        _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
+    )
 
     return {
         "admin": {"address": _addr(admin_listen or config.envoy.admin_listen)},

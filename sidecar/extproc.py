@@ -33,6 +33,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
 from .errors import Reply
+from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, lookup
 from .ingress import listing_path as listing_of
 from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
@@ -142,11 +143,16 @@ class Processor(pbg.ExternalProcessorServicer):
     async def Process(self, request_iterator, context):
         st = _Stream()
         response: ResponseStream | None = None
+        hop: HopStream | None = None
         self.in_flight += 1
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
+                    if is_hop(req):  # a fallback attempt on a hop's cluster
+                        hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
+                        yield hop.headers()
+                        continue
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
                         yield self._shed(st, req.request_headers)
                         return
@@ -156,6 +162,9 @@ class Processor(pbg.ExternalProcessorServicer):
                     if resp.mode_override.request_body_mode != _P.BUFFERED:
                         return  # the last answer Envoy needs: end the stream from our side
                 elif kind == "request_body":
+                    if hop is not None:
+                        yield hop.body(req.request_body)
+                        return
                     resp = self._request_body(st, req.request_body)
                     if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
@@ -327,7 +336,7 @@ class Processor(pbg.ExternalProcessorServicer):
         """The request-header mutation that carries a route, or a 431 when it
         would take the request past Envoy's header limits (Envoy would answer
         that mutation with a 503 that blames the server)."""
-        sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]
+        sets = [(BACKEND_HEADER, route.cluster), *route.set_headers]
         if route.path is not None:
             sets.append((":path", route.path))
         if route.body is not None:

@@ -101,6 +101,9 @@ SHED = Counter(
 )
 
 
+# At selection (the model had no admissible backend); after a failed attempt
+# (connect failure, reset, 5xx, 429).
+FALLBACK_REASONS = ("no_admissible_backend", "upstream_error")
 FALLBACKS = Counter(
     "model_router_fallbacks_total",
     "Requests served by a fallback-chain hop (experiment and variant empty outside experiments; "
@@ -197,14 +200,17 @@ def prime(config: Config) -> None:
                 for assignment in ASSIGNMENTS:
                     EXPERIMENT_REQUESTS.labels(e.name, v.id, status, assignment)
     chains = config.fallback_chains
+    reasons = FALLBACK_REASONS if config.fallback_attempts else FALLBACK_REASONS[:1]
     for origin, chain in chains.items():
         for hop in chain:
-            FALLBACKS.labels("", "", origin, hop, "no_admissible_backend")
+            for reason in reasons:
+                FALLBACKS.labels("", "", origin, hop, reason)
     for e in config.model_experiments:
         if e.fallback == "cross_variant":
             for v in e.variants:
                 for hop in chains.get(v.model, ()):
-                    FALLBACKS.labels(e.name, v.id, v.model, hop, "no_admissible_backend")
+                    for reason in reasons:
+                        FALLBACKS.labels(e.name, v.id, v.model, hop, reason)
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):

@@ -15,7 +15,8 @@ from ..assignment import is_blank
 from ..body import BodyError, replace_field, replace_query_model, set_top_level
 from ..errors import Reply
 from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
-from . import selection
+from . import attempts, selection
+from .attempts import Hop
 from .context import Parsed, Request, parse, sticky_value
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .suffixes import SUFFIXES, Suffix, split, supported
@@ -57,7 +58,12 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     chosen = _select(snap, req, parsed, target, requested, word, plan)
     if isinstance(chosen, Reply):
         return _attributed(chosen, plan)
-    return _build(snap, req, parsed, client_model, plan, *chosen)
+    upstream, backend, edits, hops = chosen
+    route = _build(snap, req, parsed, client_model, plan, upstream, backend, edits)
+    if hops:
+        route.hops = hops
+        plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
+    return route
 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
@@ -190,8 +196,9 @@ def _candidates(
 def _select(
     snap: Snapshot, req: Request, parsed: Parsed, target: _Target, requested: str, word: str | None,
     plan: ResponsePlan,
-) -> tuple[str, BackendInfo, Edits] | Reply:
-    """The first attempt, then the hops of the fallback chain: (model, backend, body edits)."""
+) -> tuple[str, BackendInfo, Edits, tuple[Hop, ...]] | Reply:
+    """The first attempt, then the hops of the fallback chain: (model, backend,
+    body edits, the hops to move to if that attempt fails upstream)."""
     family = req.ingress.family
     trace = req.trace
     rec = trace.attempt(target.model, "first") if trace is not None else None
@@ -214,18 +221,21 @@ def _select(
     first = selection.select(
         ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
     )
+    online = suffix is not None and suffix.online
+    may_fall_back = target.may_fall_back and not online
+    chain = fallback_hops(snap, target.model, model) if may_fall_back else []
     if first is not None:
         plan.suffix_applied = first.ranked or ranker is None
-        return model, first.backend, edits
-    online = suffix is not None and suffix.online
-    if target.may_fall_back and not online:
-        hop = _fall_back(snap, req, ctx, target, model, data)
+        plan.drop_effort = "reasoning_effort" in edits
+        return model, first.backend, edits, _retry_hops(snap, req, ctx, target, (target.model, first.backend), chain, parsed)
+    if may_fall_back:
+        hop = _fall_back(snap, req, ctx, target, chain, data)
         if hop is not None:
-            hop_model, backend = hop
+            at, hop_model, backend = hop
             # A hop dispatches another model: it inherits no suffix.
             plan.suffix_applied = suffix is None
             plan.fallback = Fallback(target.model, hop_model, "no_admissible_backend", hop_model not in snap.reserved)
-            return hop_model, backend, {}
+            return hop_model, backend, {}, _retry_hops(snap, req, ctx, target, (chain[at], backend), chain[at + 1:], parsed)
     elif trace is not None:
         trace.stage("fallback", "not tried: :online requests do not fall back" if online
                     else "not tried: the experiment's fallback is within_variant")
@@ -233,23 +243,60 @@ def _select(
 
 
 def _fall_back(
-    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, model: str, data: Edits,
-) -> tuple[str, BackendInfo] | None:
-    """The first hop of the chain with an admissible backend: (its model, the backend)."""
-    hops = fallback_hops(snap, target.model, model)
+    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, hops: list[str], data: Edits,
+) -> tuple[int, str, BackendInfo] | None:
+    """The first hop of the chain with an admissible backend: (its place in
+    the chain, its model, the backend)."""
     trace = req.trace
     served = None
-    for n, hop in enumerate(hops, 1):
-        rec = trace.attempt(hop, f"fallback hop {n}") if trace is not None else None
-        hop_model, hop_candidates = _candidates(snap, hop, target.allowed, rec)
-        chosen = selection.select(ctx, selection.Attempt(hop_model, hop_candidates, body=data), rec) if hop_candidates else None
+    for n, hop in enumerate(hops):
+        rec = trace.attempt(hop, f"fallback hop {n + 1}") if trace is not None else None
+        chosen = _hop_selection(snap, ctx, target, hop, data, rec)
         if chosen is not None:
-            served = hop_model, chosen.backend
+            served = n, chosen[0], chosen[1]
             break
     if trace is not None:
-        trace.stage("fallback", f"hop '{served[0]}' served" if served else (
+        trace.stage("fallback", f"hop '{served[1]}' served" if served else (
             "every hop failed" if hops else "no fallback chain"), chain=hops)
     return served
+
+
+def _hop_selection(
+    snap: Snapshot, ctx: selection.Context, target: _Target, hop: str, data: Edits, rec: AttemptTrace | None,
+    among: frozenset[str] | None = None,
+) -> tuple[str, BackendInfo] | None:
+    """One hop's selection: inside the request's allow-list (and ``among``),
+    no ranker, no preference: (the id it dispatches as, the backend) or None."""
+    hop_model, candidates = _candidates(snap, hop, target.allowed, rec)
+    if among is not None:
+        candidates = [b for b in candidates if b.name in among]
+    chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=data), rec) if candidates else None
+    return None if chosen is None else (hop_model, chosen.backend)
+
+
+def _retry_hops(
+    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, dispatched: tuple[str, BackendInfo],
+    chain: list[str], parsed: Parsed,
+) -> tuple[Hop, ...]:
+    """Where the request moves if the attempt ``dispatched`` (model, backend)
+    fails upstream: up to ``fallback_attempts`` of the following hops, each on
+    the backend its own selection picks now (hops with none admissible are
+    skipped), among the backends the bootstrap has clusters for. JSON bodies
+    only: the hop's filter rewrites ``model`` there."""
+    if parsed.json is None or not chain or dispatched[1].name not in attempts.hop_backends(snap, dispatched[0]):
+        return ()
+    out: list[Hop] = []
+    for hop in chain:
+        if len(out) == snap.config.fallback_attempts:
+            break
+        chosen = _hop_selection(snap, ctx, target, hop, parsed.json, None, attempts.hop_backends(snap, hop))
+        if chosen is not None:
+            out.append(Hop(hop, chosen[0], chosen[1].name))
+    if req.trace is not None and out:
+        req.trace.stage("retry_hops", "on an upstream failure: " + ", ".join(
+            f"'{h.upstream_model}' on {h.backend}" for h in out),
+            hops=[{"model": h.upstream_model, "backend": h.backend} for h in out])
+    return tuple(out)
 
 
 def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
@@ -257,10 +304,16 @@ def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
     origin is not reserved skips reserved hops, so ordinary routing never
     reaches a hidden arm's model."""
     chains = snap.config.fallback_chains
-    chain = chains.get(origin) or chains.get(dispatched) or []
-    if origin in snap.reserved or dispatched in snap.reserved:
-        return list(chain)
-    return [hop for hop in chain if reserved_by(snap, hop) is None]
+    if not chains:
+        return []
+
+    def compute() -> list[str]:
+        chain = chains.get(origin) or chains.get(dispatched) or []
+        if origin in snap.reserved or dispatched in snap.reserved:
+            return list(chain)
+        return [hop for hop in chain if reserved_by(snap, hop) is None]
+
+    return list(attempts.memo(snap, ("chain", origin, dispatched), compute))
 
 
 def _suffix_checks(
@@ -328,6 +381,13 @@ def _build(
         backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
         set_headers=set_headers, remove_headers=remove_headers, plan=plan,
     )
+
+
+def _hop_path(route: Route, req: Request) -> str:
+    """The request's path without its backend's base path: a hop puts its own in front."""
+    path = route.path if route.path is not None else req.path
+    base = route.backend.base_path
+    return path[len(base):] if base and path.startswith(base) else path
 
 
 def _unsupported(requested: str, word: str, family: str) -> Reply:

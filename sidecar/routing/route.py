@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import orjson
+
 from ..snapshot import BackendInfo, Snapshot
+from .attempts import Hop, composite_cluster
 
 Meta = dict[str, "str | bool"]
 
@@ -27,6 +30,10 @@ class ResponsePlan:
     suffix: str | None = None  # nitro | floor | thinking | online
     suffix_applied: bool = True
     fallback: Fallback | None = None
+    # For the hops a failed attempt moves to (set only when there are some):
+    chain_origin: str | None = None  # the model the fallback is counted from
+    hop_path: str | None = None  # the upstream path without the backend's base path
+    drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
 
     @property
     def needs_response(self) -> bool:
@@ -65,7 +72,7 @@ class Fallback:
 
     origin: str  # the model the request (or its arm) dispatches first
     served: str  # the hop's model
-    reason: str  # no_admissible_backend
+    reason: str  # no_admissible_backend (at selection) | upstream_error (after a failed attempt)
     announce: bool  # name the served model in a response header (never a reserved one)
 
 
@@ -79,10 +86,27 @@ class Route:
     set_headers: tuple[tuple[str, str], ...] = ()
     remove_headers: tuple[str, ...] = ()
     plan: ResponsePlan | None = None
+    hops: tuple[Hop, ...] = ()  # where a failed attempt moves to
+
+    @property
+    def cluster(self) -> str:
+        """The Envoy cluster the request goes to: its backend's, or the
+        composite of the backend and its hops."""
+        return composite_cluster(self.backend.name, self.hops) if self.hops else self.backend.name
 
     def metadata(self) -> Meta:
         m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
         m["backend"] = self.backend.name
+        if self.hops and self.plan is not None:
+            # For the hop filter, in one field (each field costs in every access-log entry):
+            # attempt n + 1 goes to hops[n - 1] = [backend, model].
+            plan = self.plan
+            m["retry"] = orjson.dumps({
+                "hops": [[h.backend, h.upstream_model] for h in self.hops], "origin": plan.chain_origin,
+                "path": plan.hop_path or "/", "drop_effort": plan.drop_effort,
+            }).decode()
+            if self.backend.api_key:
+                m["auth_replaced"] = True  # a hop without a key of its own removes this one
         if self.client_model:
             m.update(client_model=self.client_model, upstream_model=self.upstream_model)
         return m
