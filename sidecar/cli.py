@@ -205,6 +205,12 @@ def cmd_diff(args) -> int:
     return run(args)
 
 
+def cmd_pause(args) -> int:
+    from .pause_cli import run
+
+    return run(args)
+
+
 def cmd_explain(args) -> int:
     from .explain_cli import run
 
@@ -232,6 +238,12 @@ def _add_experiments(sub) -> None:
     df.add_argument("--movers", type=int, default=20, metavar="N", help="movers listed per experiment (default 20)")
     df.add_argument("--json", action="store_true", help="print JSON, every mover included")
     df.set_defaults(func=cmd_diff)
+    for verb, what in (("pause", "take an arm out of the race (its weight is kept)"), ("resume", "put a paused arm back")):
+        pz = xsub.add_parser(verb, help=what + ", in the config file")
+        pz.add_argument("--config", required=True, help="the config file the sidecars read")
+        pz.add_argument("--experiment", required=True, help="experiment name")
+        pz.add_argument("--variant", required=True, help="variant id")
+        pz.set_defaults(func=cmd_pause)
 
 
 def _add_explain(sub) -> None:

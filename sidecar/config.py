@@ -257,6 +257,13 @@ class Variant(_Model):
     model: ModelName
     weight: Annotated[int, Field(ge=0, le=MAX_WEIGHT)]
     backends: list[Name] | None = None
+    # Paused: out of the race (as weight 0) while ``weight`` keeps the share it resumes with.
+    paused: bool = False
+
+    @property
+    def race_weight(self) -> int:
+        """The weight assignment uses: 0 while paused."""
+        return 0 if self.paused else self.weight
 
 
 class Experiment(_Model):
@@ -720,6 +727,8 @@ def check(config: Config) -> tuple[list[str], list[str]]:
             errors.append(f"{p}.variants: at least one variant is required")
         elif all(v.weight == 0 for v in e.variants):
             errors.append(f"{p}.variants: at least one variant needs a weight above 0")
+        elif all(v.race_weight == 0 for v in e.variants):
+            errors.append(f"{p}.variants: every variant with a weight above 0 is paused; one must stay in the race")
         ids: set[str] = set()
         for j, v in enumerate(e.variants):
             vp = f"{p}.variants[{j}]"

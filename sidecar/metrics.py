@@ -166,6 +166,19 @@ EXPERIMENT_CACHE_HITS = Counter(
     ["experiment", "variant"],
     registry=REGISTRY,
 )
+VARIANT_PAUSED = Gauge(
+    "model_experiment_variant_paused",
+    "1 while the arm is paused (out of the race, its weight kept), else 0; set when the config loads.",
+    ["experiment", "variant"],
+    registry=REGISTRY,
+)
+VARIANT_WEIGHT = Gauge(
+    "model_experiment_variant_weight",
+    "The arm's weight in the race (0 while paused); role is control for the first declared variant, which "
+    "the error-rate rules compare the others with, else treatment.",
+    ["experiment", "variant", "role"],
+    registry=REGISTRY,
+)
 
 
 STATUSES = ("success", "client_error", "server_error")
@@ -185,7 +198,12 @@ def prime(config: Config) -> None:
     """Create every label set ``config`` implies, at zero."""
     for result in ("success", "failure"):
         CONFIG_RELOADS.labels(result)
+    VARIANT_PAUSED.clear()  # arms the config no longer has leave the page
+    VARIANT_WEIGHT.clear()
     for e in config.model_experiments:
+        for j, v in enumerate(e.variants):
+            VARIANT_PAUSED.labels(e.name, v.id).set(1 if v.paused else 0)
+            VARIANT_WEIGHT.labels(e.name, v.id, "control" if j == 0 else "treatment").set(v.race_weight)
         if e.hide_variant_models:
             RESERVED_REFUSALS.labels(e.name)
         for v in e.variants:

@@ -22,7 +22,7 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
+from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, srm, workers
 from . import config as config_mod
 from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
@@ -136,7 +136,10 @@ class Runtime:
             raise config_mod.ConfigError([f"(root): {type(exc).__name__}"], loaded.warnings) from None
         return loaded
 
-    def reload(self) -> bool:
+    def reload(self, mark_seen: bool = False) -> bool:
+        """Load the file again; ``mark_seen``: the watcher need not reload this version."""
+        if mark_seen:
+            self._stamp = self._file_stamp()
         try:
             loaded = config_mod.load(self.path)
             new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
@@ -221,6 +224,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
     app.router.add_post("/admin/reload", reload_view)
     app.router.add_post("/admin/config", guarded(_dry_run))
     app.router.add_post("/admin/explain", guarded(_explain))
+    admin_config.add_routes(app, guarded)
     return app
 
 
@@ -252,8 +256,8 @@ def memory_report() -> dict:
 async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
     """``POST /admin/config?dry_run=1``: what a config would do to experiment assignments."""
     if request.query.get("dry_run") != "1":
-        return web.json_response({"error": "only dry runs are served: POST /admin/config?dry_run=1; the sidecar "
-                                           "applies a config when its file changes"}, status=400)
+        return web.json_response({"error": "POST /admin/config serves dry runs (?dry_run=1); "
+                                           "PUT /admin/config applies a config"}, status=400)
     try:
         text = (await request.read()).decode("utf-8")
     except web.HTTPRequestEntityTooLarge:
@@ -339,7 +343,9 @@ async def serve_async(
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
     tracer = Tracer(lambda: runtime.snapshot.config.tracing)
-    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets))
+    sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
+    metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
+    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)

@@ -112,7 +112,7 @@ class Snapshot:
 
 
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:
-    variants = tuple((v.id, v.weight) for v in e.variants)
+    variants = tuple((v.id, v.race_weight) for v in e.variants)
     return ExperimentInfo(index, e, variants, Race(variants), salt_prefix(e.name))
 
 

@@ -165,13 +165,19 @@ def _experiment(
         return _Target(client_model, allowed, may_fall_back=True)
     exp = info.config
     sticky = sticky_value(exp, req, parsed)
-    if req.trace is None:
+    caller = None
+    if sticky is not None and not is_blank(sticky):
+        caller = info.race.caller_key(info.prefix, sticky, exp.sticky_ttl, req.now)[0]
+    if req.trace is not None:
+        index = _traced_arm(req.trace, info, sticky, req)
+    elif caller is None:
         index = info.race.pick(info.prefix, sticky, exp.sticky_ttl, req.now, req.random_bytes)
     else:
-        index = _traced_arm(req.trace, info, sticky, req)
+        index = info.race.pick_key(caller)
     variant = exp.variants[index]
     plan.experiment, plan.variant = exp.name, variant.id
-    plan.assignment = "random" if is_blank(sticky) else "sticky"
+    plan.assignment = "random" if caller is None else "sticky"
+    plan.caller = None if caller is None else caller[:8].hex()
     plan.attribute = exp.response_headers
     plan.rewrite_model = client_model if exp.response_model == "client" else None
     plan.read_usage = req.ingress.usage

@@ -29,6 +29,7 @@ class ResponsePlan:
     experiment: str | None = None
     variant: str | None = None
     assignment: str | None = None  # "sticky" | "random"
+    caller: str | None = None  # sticky only: the caller key's first 8 bytes, hex (the SRM sample's id)
     attribute: bool = False  # send x-continuum-experiment[-variant]
     suffix: str | None = None  # nitro | floor | thinking | online
     suffix_applied: bool = True
@@ -52,6 +53,8 @@ class ResponsePlan:
         m: Meta = {"kind": self.kind, "family": self.family}
         if self.experiment is not None:
             m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
+            if self.caller is not None:
+                m["caller"] = self.caller
             if self.attribute:
                 m.update(x_experiment=self.experiment, x_experiment_variant=self.variant or "")
         if self.suffix is not None:
