@@ -1,0 +1,111 @@
+"""`envoy.routing: header_match`: the portable route form (one route per
+backend matching the sidecar's routing header, as Gateway API HTTPRoute rules
+express it), run through the real Envoy against demo engines."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+import yaml
+
+from sidecar import config as config_mod
+from sidecar import envoyconf, k8s
+
+from .conftest import clear_demo_requests, demo_requests, envoy_stat, write_config
+
+pytestmark = pytest.mark.integration
+
+CONFIG = """
+envoy: {routing: header_match}
+backends:
+  - {name: alpha, url: "demo://", models: [m-alpha]}
+  - {name: beta, url: "demo://", models: [m-beta]}
+  - {name: gamma, url: "demo://", type: anthropic, models: [m-gamma]}
+model_experiments:
+  - name: renamed
+    model: chat
+    response_model: client
+    variants: [{id: only, model: m-beta, weight: 1}]
+"""
+MODELS = {"alpha": "m-alpha", "beta": "m-beta", "gamma": "m-gamma"}
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    return stack_factory(CONFIG)
+
+
+def _routes(stack) -> list[dict]:
+    boot = yaml.safe_load((stack.workdir / "envoy.yaml").read_text())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def test_the_route_table_matches_the_header_per_backend(stack):
+    routes = _routes(stack)
+    assert not [r for r in routes if "cluster_header" in r.get("route", {})]
+    chosen = {(h["string_match"]["exact"], r["route"]["cluster"]) for r in routes for h in r["match"].get("headers", [])
+              if h["name"] == envoyconf.BACKEND_HEADER}
+    assert chosen == {(b, b) for b in MODELS}
+    assert routes[-1]["name"] == "unrouted" and "headers" not in routes[-1]["match"]
+
+
+def test_every_backend_is_reached_through_its_route(stack):
+    clear_demo_requests(stack)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="caller-1", max_retries=0)
+    for backend, model in MODELS.items():
+        if backend == "gamma":
+            msg = anthropic.Anthropic(base_url=stack.url + "/anthropic", api_key="caller-1", max_retries=0).messages.create(
+                model=model, max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+            assert msg.model == model and msg.content[0].text.startswith(f"[{backend}]")
+        else:
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+            assert r.model == model and r.choices[0].message.content.startswith(f"[{backend}] {model}")
+    for backend in MODELS:
+        seen = demo_requests(stack, backend)
+        assert len(seen) == 1, (backend, seen)
+        assert envoyconf.BACKEND_HEADER not in seen[0]["headers"]  # the routing header stays at the proxy
+
+
+def test_a_streamed_answer_and_a_rewritten_one_take_their_routes(stack):
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="caller-1", max_retries=0)
+    chunks = list(client.chat.completions.create(model="m-alpha", messages=[{"role": "user", "content": "a b"}], stream=True))
+    assert {c.model for c in chunks} == {"m-alpha"}
+    before = envoy_stat(stack, "response.streams_started")
+    r = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
+    assert r.model == "chat" and r.choices[0].message.content.startswith("[beta] m-beta")  # beta/rewrite route
+    assert envoy_stat(stack, "response.streams_started") == before + 1
+
+
+def test_a_client_cannot_pick_the_backend(stack):
+    clear_demo_requests(stack)
+    resp = httpx.post(stack.url + "/v1/chat/completions", headers={envoyconf.BACKEND_HEADER: "gamma"},
+                      json={"model": "m-alpha", "messages": []}, timeout=30)
+    assert resp.status_code == 200 and resp.json()["model"] == "m-alpha"
+    assert len(demo_requests(stack, "alpha")) == 1 and demo_requests(stack, "gamma") == []
+
+
+def test_unknown_model_is_refused_by_the_sidecar(stack):
+    resp = httpx.post(stack.url + "/v1/chat/completions", json={"model": "nope", "messages": []}, timeout=30)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_httproute_rules_are_the_same_table(tmp_path):
+    """The HTTPRoute the Kubernetes generator writes has, per backend, the
+    header match the Envoy route above has, and a catch-all rule last."""
+    path = write_config(tmp_path, CONFIG)
+    cfg = config_mod.load(path).config
+    docs = k8s.manifests(cfg, path.read_text(), k8s.Options())
+    route = next(d for d in docs["routes.yaml"] if d["kind"] == "HTTPRoute")
+    table = {}
+    for rule in route["spec"]["rules"]:
+        for m in rule["matches"]:
+            for h in m.get("headers", []):
+                assert h["type"] == "Exact" and h["name"] == envoyconf.BACKEND_HEADER
+                table[h["value"]] = rule["backendRefs"][0]["name"]
+    refs = k8s.backend_refs(cfg, {})
+    assert table == {value: refs[cluster].service for value, cluster in envoyconf.backend_routes(cfg)}
+    assert set(table) == set(MODELS)
+    assert "headers" not in route["spec"]["rules"][-1]["matches"][0]
