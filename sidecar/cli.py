@@ -120,6 +120,12 @@ def cmd_envoy_config(args) -> int:
     return 0
 
 
+def cmd_k8s(args) -> int:
+    from .k8s_cli import run
+
+    return run(args)
+
+
 def cmd_up(args) -> int:
     import tempfile
 
@@ -282,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--listen", help="public host:port (default: envoy.listen)")
     e.add_argument("--admin-listen", help="Envoy admin host:port (default: envoy.admin_listen)")
     e.set_defaults(func=cmd_envoy_config)
+
+    from .k8s_cli import add_arguments as add_k8s
+
+    add_k8s(sub.add_parser("k8s", help="print or write Kubernetes, Istio and Envoy Gateway manifests for a config"))
+    sub.choices["k8s"].set_defaults(func=cmd_k8s)
 
     _add_experiments(sub)
     _add_explain(sub)

@@ -268,5 +268,12 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
     }
 
 
+class _Dumper(yaml.SafeDumper):
+    """Writes a shared value out in full each time: no anchors in manifests."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def render(docs: list[dict]) -> str:
-    return "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False) for d in docs)
+    return "---\n".join(yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=False) for d in docs)

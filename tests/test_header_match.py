@@ -4,6 +4,9 @@ express it), run through the real Envoy against demo engines."""
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import anthropic
 import httpx
 import openai
@@ -12,6 +15,7 @@ import yaml
 
 from sidecar import config as config_mod
 from sidecar import envoyconf, k8s
+from sidecar.stack import envoy_binary, free_port
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat, write_config
 
@@ -109,3 +113,56 @@ def test_the_httproute_rules_are_the_same_table(tmp_path):
     assert table == {value: refs[cluster].service for value, cluster in envoyconf.backend_routes(cfg)}
     assert set(table) == set(MODELS)
     assert "headers" not in route["spec"]["rules"][-1]["matches"][0]
+
+
+def test_an_envoy_routing_by_the_httproute_reaches_every_backend(stack, tmp_path):
+    """A second Envoy whose routes are the HTTPRoute's rules (as a gateway
+    makes them), with a plain router as a gateway has, in front of the same
+    sidecar and demo engines: each backend's requests reach that backend."""
+    from .test_k8s import httproute_routes
+
+    path = write_config(tmp_path, CONFIG)
+    cfg = config_mod.load(path).config
+    route = k8s.manifests(cfg, "", k8s.Options())["routes.yaml"][0]
+    services = {r.service: name for name, r in k8s.backend_refs(cfg, {}).items()}
+    boot = yaml.safe_load((stack.workdir / "envoy.yaml").read_text())
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    boot["admin"]["address"] = envoyconf._addr(admin)
+    listener = boot["static_resources"]["listeners"][0]
+    listener["address"] = envoyconf._addr(listen)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    router = hcm["http_filters"][-1]
+    router["typed_config"] = {"@type": router["typed_config"]["@type"]}
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = httproute_routes(route, services)
+    (tmp_path / "envoy.yaml").write_text(envoyconf.render(boot))
+    log = (tmp_path / "envoy.log").open("w")
+    proc = subprocess.Popen([envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--use-dynamic-base-id",
+                             "--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://{admin}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "envoy.log").read_text()
+            time.sleep(0.1)
+        clear_demo_requests(stack)
+        for backend, model in MODELS.items():
+            for _ in range(30):  # until Envoy's health check has found the sidecar serving
+                resp = httpx.post(f"http://{listen}/v1/chat/completions", headers={"authorization": "Bearer caller-1"},
+                                  json={"model": model, "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+                if resp.status_code != 503:
+                    break
+                time.sleep(0.2)
+            assert resp.status_code == 200, (backend, resp.status_code, resp.text)
+        for backend in MODELS:
+            seen = demo_requests(stack, backend)
+            assert len(seen) == 1, (backend, seen)
+            assert envoyconf.BACKEND_HEADER not in seen[0]["headers"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
