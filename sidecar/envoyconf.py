@@ -224,9 +224,9 @@ def backend_routes(config: Config) -> list[tuple[str, str]]:
     return [(b.name, b.name) for b in config.backends]
 
 
-# The route a request takes before the sidecar has decided, and one whose
-# routing header names no backend: Envoy's own 404, as a cluster_header route
-# answers a header naming no cluster.
+# header_match: the route a request matches before the sidecar has decided
+# (the filters run on it), and the one a request whose routing header names no
+# backend ends on: Envoy's own 404, in the ingress's error shape.
 UNROUTED = {"name": "unrouted", "match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {
     "inline_string": "no backend was selected for this request"}}}
 
