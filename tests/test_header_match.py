@@ -15,7 +15,7 @@ import yaml
 
 from sidecar import config as config_mod
 from sidecar import envoyconf, k8s
-from sidecar.stack import envoy_binary, free_port
+from sidecar.stack import Stack, envoy_binary, free_port
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat, write_config
 
@@ -34,6 +34,11 @@ model_experiments:
     variants: [{id: only, model: m-beta, weight: 1}]
 """
 MODELS = {"alpha": "m-alpha", "beta": "m-beta", "gamma": "m-gamma"}
+
+
+def _served(stack, backend: str) -> list[dict]:
+    """The client requests a demo engine saw (not the monitor's polls)."""
+    return [r for r in demo_requests(stack, backend) if r["path"] in ("/v1/chat/completions", "/v1/messages")]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def test_every_backend_is_reached_through_its_route(stack):
             r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
             assert r.model == model and r.choices[0].message.content.startswith(f"[{backend}] {model}")
     for backend in MODELS:
-        seen = demo_requests(stack, backend)
+        seen = _served(stack, backend)
         assert len(seen) == 1, (backend, seen)
         assert envoyconf.BACKEND_HEADER not in seen[0]["headers"]  # the routing header stays at the proxy
 
@@ -88,7 +93,7 @@ def test_a_client_cannot_pick_the_backend(stack):
     resp = httpx.post(stack.url + "/v1/chat/completions", headers={envoyconf.BACKEND_HEADER: "gamma"},
                       json={"model": "m-alpha", "messages": []}, timeout=30)
     assert resp.status_code == 200 and resp.json()["model"] == "m-alpha"
-    assert len(demo_requests(stack, "alpha")) == 1 and demo_requests(stack, "gamma") == []
+    assert len(_served(stack, "alpha")) == 1 and _served(stack, "gamma") == []
 
 
 def test_unknown_model_is_refused_by_the_sidecar(stack):
@@ -159,10 +164,39 @@ def test_an_envoy_routing_by_the_httproute_reaches_every_backend(stack, tmp_path
                 time.sleep(0.2)
             assert resp.status_code == 200, (backend, resp.status_code, resp.text)
         for backend in MODELS:
-            seen = demo_requests(stack, backend)
+            seen = _served(stack, backend)
             assert len(seen) == 1, (backend, seen)
             assert envoyconf.BACKEND_HEADER not in seen[0]["headers"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_a_plain_request_still_costs_two_ext_proc_messages(stack):
+    before = envoy_stat(stack, "ext_proc.stream_msgs_sent")
+    for _ in range(5):
+        r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "m-alpha", "messages": []}, timeout=30)
+        assert r.status_code == 200
+    assert envoy_stat(stack, "ext_proc.stream_msgs_sent") - before == 10
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_with_the_sidecar_down_header_match_fails_closed_or_passes_untouched(tmp_path, mode):
+    cfg = write_config(tmp_path, f"""
+server: {{failure_mode: {mode}}}
+envoy: {{routing: header_match}}
+backends:
+  - {{name: pool-a, url: "demo://", models: [model-a]}}
+  - {{name: pool-b, url: "demo://", models: [model-b]}}
+""")
+    with Stack(cfg, workdir=tmp_path) as stack:
+        stack.stop_sidecar()
+        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
+                       json={"model": "model-b", "messages": [{"role": "user", "content": "hi"}]})
+        if mode == "open":  # untouched, to the first enabled backend (which does not serve model-b)
+            assert r.status_code == 404 and "does not exist on demo engine pool-a" in r.text, r.text
+            assert len(_served(stack, "pool-a")) == 1 and _served(stack, "pool-b") == []
+        else:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "upstream_unavailable"
