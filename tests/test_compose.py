@@ -49,9 +49,12 @@ def test_compose_renders_with_the_mounted_config(tmp_path):
     out = subprocess.run([*tool, "-f", str(COMPOSE.resolve()), "config"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
+    services = rendered["services"]
     for name in ("envoy-config", "sidecar"):
-        mounts = [v for v in rendered["services"][name]["volumes"] if v.get("target") == CONFIG_IN_CONTAINER]
+        mounts = [v for v in services[name]["volumes"] if isinstance(v, dict) and v.get("target") == CONFIG_IN_CONTAINER]
         assert mounts and mounts[0]["source"] == str(config) and mounts[0]["read_only"], mounts
+    assert services["envoy"]["depends_on"]["envoy-config"]["condition"] == "service_completed_successfully"
+    assert {services["envoy"]["depends_on"][n]["condition"] for n in ("sidecar", "pool-a", "pool-b")} == {"service_healthy"}
 
 
 def test_the_config_is_mounted_and_the_bootstrap_generated_at_start():
