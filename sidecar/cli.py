@@ -307,8 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .k8s_cli import add_arguments as add_k8s
 
-    add_k8s(sub.add_parser("k8s", help="print or write Kubernetes, Istio and Envoy Gateway manifests for a config"))
-    sub.choices["k8s"].set_defaults(func=cmd_k8s)
+    k = sub.add_parser("k8s", help="print or write Kubernetes, Istio and Envoy Gateway manifests for a config")
+    add_k8s(k)
+    k.set_defaults(func=cmd_k8s)
 
     _add_experiments(sub)
     _add_explain(sub)
