@@ -259,6 +259,10 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
     if config.server.max_requests_per_worker:
         raise K8sError("server.max_requests_per_worker: a pod runs one sidecar process on one port (its "
                        "replacement would listen on another); let Kubernetes replace pods instead")
+    if config.fallback_chains and config.fallback_attempts:
+        raise K8sError("fallback_attempts: moving a failed attempt to the next hop needs Envoy's composite "
+                       "clusters, which only the product's own bootstrap has; set fallback_attempts: 0 "
+                       "(fallback_chains still apply when the sidecar decides)")
     refs = backend_refs(config, opts.backend_urls)
     return {
         "sidecar.yaml": _sidecar(config, config_text, opts, refs) + _demo_engines(config, opts, refs),

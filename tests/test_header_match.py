@@ -200,3 +200,25 @@ backends:
         else:
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "upstream_unavailable"
+
+
+def test_header_match_with_fallback_attempts_is_a_valid_bootstrap(tmp_path):
+    """Decisions that name a composite cluster (a fallback after a failed
+    attempt) keep their routes, by the routing header, in header_match mode."""
+    path = write_config(tmp_path, """
+envoy: {routing: header_match}
+backends:
+  - {name: a, url: "http://127.0.0.1:1", models: [m]}
+  - {name: b, url: "http://127.0.0.1:2", models: [n]}
+fallback_chains: {m: [n]}
+""")
+    boot = envoyconf.bootstrap(config_mod.load(path).config)
+    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    fallback = [r for r in routes if "_fallback" in r["name"]]
+    assert fallback and all(r["route"]["cluster_header"] == envoyconf.BACKEND_HEADER for r in fallback)
+    assert {r["route"]["cluster"] for r in routes if "cluster" in r.get("route", {})} == {"a", "b"}
+    out = tmp_path / "envoy.yaml"
+    out.write_text(envoyconf.render(boot))
+    res = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -139,6 +139,13 @@ def test_what_the_manifests_cannot_express_is_refused(tmp_path):
     path.write_text("server: {max_requests_per_worker: 1000}\nbackends: [{name: a, url: 'http://a:8000'}]\n")
     out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 1 and "server.max_requests_per_worker" in out.stderr
+    path.write_text("backends: [{name: a, url: 'http://a:8000', models: [m, n]}]\nfallback_chains: {m: [n]}\n")
+    out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 1 and "fallback_attempts: moving a failed attempt" in out.stderr, out.stderr
+    path.write_text(path.read_text() + "fallback_attempts: 0\n")
+    out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and "kind: HTTPRoute" in out.stdout, out.stderr
+    path.write_text("server: {max_requests_per_worker: 1000}\nbackends: [{name: a, url: 'http://a:8000'}]\n")
     ok = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path), "--backend-url", "a=http://a:8000"],
                         capture_output=True, text=True)
     assert ok.returncode == 1  # an override does not lift the rule on the config itself
