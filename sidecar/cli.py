@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from importlib import resources
@@ -116,15 +117,35 @@ def cmd_envoy_config(args) -> int:
         backend_urls=urls,
         listen=args.listen, admin_listen=args.admin_listen,
     )
-    sys.stdout.write(envoyconf.render(boot))
+    text = envoyconf.render(boot)
+    if args.output:
+        out = Path(args.output)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)  # whole or not at all: Envoy never reads half a file
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
     return 0
+
+
+def cmd_k8s(args) -> int:
+    from .k8s_cli import run
+
+    return run(args)
 
 
 def cmd_up(args) -> int:
     import tempfile
 
-    from .stack import Stack, StackError
+    from .stack import Stack, StackError, envoy_binary
 
+    if not os.environ.get("MODEL_ROUTER_ENVOY_IMAGE"):
+        try:
+            envoy_binary()
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     tmp = None
     path = args.config
     if path is None:
@@ -293,7 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
     e.add_argument("--listen", help="public host:port (default: envoy.listen)")
     e.add_argument("--admin-listen", help="Envoy admin host:port (default: envoy.admin_listen)")
+    e.add_argument("-o", "--output", metavar="FILE", help="write the bootstrap here (default: standard output)")
     e.set_defaults(func=cmd_envoy_config)
+
+    from .k8s_cli import add_arguments as add_k8s
+
+    k = sub.add_parser("k8s", help="print or write Kubernetes, Istio and Envoy Gateway manifests for a config")
+    add_k8s(k)
+    k.set_defaults(func=cmd_k8s)
 
     _add_experiments(sub)
     _add_explain(sub)

@@ -145,6 +145,10 @@ class Envoy(_Model):
     # answers 431 when its routing headers would push a request past them.
     max_request_headers: Annotated[int, Field(ge=32, le=1000)] = 100
     max_request_headers_kb: Annotated[int, Field(ge=8, le=8192)] = 60
+    # How the route reads the sidecar's choice: "cluster_header" (one route,
+    # the cluster named by the routing header) or "header_match" (one route per
+    # backend matching that header's value: the form Gateway API and Istio express).
+    routing: Literal["cluster_header", "header_match"] = "cluster_header"
 
     @field_validator("listen", "admin_listen")
     @classmethod

@@ -216,13 +216,32 @@ def _namespace_matchers(prefix: str) -> list[dict]:
     return [{"safe_regex": {"regex": p}} for p in patterns]
 
 
-def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) -> list[dict]:
-    """Two routes to the same cluster: the one the decision selects (with
-    ``x-model-router-response``) runs the response processor among its
-    upstream filters; every other request skips it. Failing open, a request
-    the sidecar never saw (no backend header) goes to ``fail_open_cluster``."""
+def backend_routes(config: Config) -> list[tuple[str, str]]:
+    """The routing table every generated route set is built from: the value of
+    the sidecar's routing header (``x-model-router-backend``) and the backend
+    it selects. The header-match routes here and the Kubernetes routes
+    (:mod:`sidecar.k8s`) both come from it, so they cannot drift apart."""
+    return [(b.name, b.name) for b in config.backends]
+
+
+# header_match: the route a request matches before the sidecar has decided
+# (the filters run on it), and the one a request whose routing header names no
+# backend ends on: Envoy's own 404, in the ingress's error shape.
+UNROUTED = {"name": "unrouted", "match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {
+    "inline_string": "no backend was selected for this request"}}}
+
+
+def _routes(
+    timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None, table: list[tuple[str, str]] | None = None,
+) -> list[dict]:
+    """Two routes per target: the one the decision selects with
+    ``x-model-router-response`` runs the response processor among its
+    upstream filters; the other skips it. The target is the cluster named by
+    the routing header (``cluster_header``) or, given ``table``, one route pair
+    per backend matching the header's value exactly (``header_match``).
+    Failing open, a request the sidecar never saw (no backend header) goes to
+    ``fail_open_cluster``."""
     action = {
-        "cluster_header": BACKEND_HEADER,
         # A reasoning model may stream for many minutes: the route bounds silence
         # (idle_timeout) and, far larger, the whole exchange (timeout, 0: none).
         "timeout": f"{timeout_s}s",
@@ -231,28 +250,42 @@ def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) 
         "retry_policy": {"retry_on": "connect-failure,reset-before-request", "num_retries": 1},
     }
     disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
-    unseen: list[dict] = []
+    rewrite = {"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}
+    routes: list[dict] = []
     if fail_open_cluster is not None:
-        unseen.append({
+        routes.append({
             "name": "fail_open",
             "match": {"prefix": "/", "headers": [{"name": BACKEND_HEADER, "present_match": False}]},
-            "route": {k: v for k, v in action.items() if k != "cluster_header"} | {"cluster": fail_open_cluster},
+            "route": {**action, "cluster": fail_open_cluster},
             "typed_per_filter_config": {RESPONSE_FILTER: disabled},
         })
-    return [*unseen,
-        {
-            "name": "rewrite",
-            "match": {"prefix": "/", "headers": [{"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}]},
-            "route": action,
-        },
-        {"name": "default", "match": {"prefix": "/"}, "route": action, "typed_per_filter_config": {RESPONSE_FILTER: disabled}},
+    targets = [(None, [], {"cluster_header": BACKEND_HEADER})] if table is None else [
+        (value, [{"name": BACKEND_HEADER, "string_match": {"exact": value}}], {"cluster": cluster})
+        for value, cluster in table
     ]
+    for value, match, target in targets:
+        prefix = "" if value is None else f"{value}/"
+        route = {**target, **action}
+        routes += [
+            {"name": f"{prefix}rewrite", "match": {"prefix": "/", "headers": [*match, rewrite]}, "route": route},
+            {"name": f"{prefix}default", "match": {"prefix": "/", **({"headers": match} if match else {})},
+             "route": route, "typed_per_filter_config": {RESPONSE_FILTER: disabled}},
+        ]
+    return routes if table is None else [*routes, UNROUTED]
 
 
 def _with_fallback(config: Config, routes: list[dict]) -> list[dict]:
-    """The routes of decisions with hops to fall back to come first."""
-    plain = [r for r in routes if r["name"] in ("rewrite", "default")]
-    return envoy_fallback.routes(config.fallback_attempts, plain) + routes if config.fallback_chains else routes
+    """The routes of decisions with hops to fall back to come first. They name
+    composite clusters, which only Envoy's own configuration has, so in either
+    routing mode they take the cluster from the routing header."""
+    if not config.fallback_chains:
+        return routes
+    if config.envoy.routing == "header_match":
+        routes_by_header = _routes(config.envoy.upstream_timeout_s, config.envoy.idle_timeout_s, None)
+    else:
+        routes_by_header = routes
+    plain = [r for r in routes_by_header if r["name"] in ("rewrite", "default")]
+    return envoy_fallback.routes(config.fallback_attempts, plain) + routes
 
 
 def _url(config: Config, backend: str) -> str:
@@ -270,7 +303,8 @@ def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: boo
 
 
 def _ext_proc(
-    name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool, **extra: Any
+    name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool,
+    cluster: str = RESERVED_BACKEND_NAME, **extra: Any,
 ) -> dict:
     """An ext_proc filter on the sidecar cluster. ``modes``: request headers,
     request body, response headers, response body (trailers are never sent).
@@ -282,7 +316,7 @@ def _ext_proc(
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {
-                "envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME, "max_receive_message_length": buffer_limit},
+                "envoy_grpc": {"cluster_name": cluster, "max_receive_message_length": buffer_limit},
                 "timeout": "30s",
             },
             "failure_mode_allow": fail_open,
@@ -335,7 +369,7 @@ def _usage_rule(path: tuple[str, ...], key: str) -> dict:
     }
 
 
-def _json_usage_filter() -> dict:
+def json_usage_filter() -> dict:
     return {
         "name": "envoy.filters.http.json_to_metadata",
         "typed_config": {
@@ -371,7 +405,7 @@ def _sse_usage_filter() -> dict:
     }
 
 
-def _access_log(flush_interval_ms: int) -> dict:
+def access_log(flush_interval_ms: int, cluster: str = RESERVED_BACKEND_NAME) -> dict:
     """One entry per request to the sidecar's AccessLogService, batched."""
     return {
         "name": "envoy.access_loggers.http_grpc",
@@ -379,7 +413,7 @@ def _access_log(flush_interval_ms: int) -> dict:
             "@type": _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
                 "log_name": "model_router",
-                "grpc_service": {"envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                 "transport_api_version": "V3",
                 "buffer_flush_interval": f"{flush_interval_ms / 1000:.3f}s",
                 "buffer_size_bytes": 16384,
@@ -428,6 +462,41 @@ def _sidecar_guards(server: Server, endpoints: int) -> dict:
     }
 
 
+def buffer_limit_bytes(server: Server) -> int:
+    return server.max_body_bytes + 1024 * 1024
+
+
+def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dict:
+    """The ext_proc filter that asks the sidecar for the decision, calling it
+    through ``cluster``. Two messages per request: the decision needs the
+    request only. The sidecar turns the response headers off on every request
+    it lets on (see _MODE_BODY_NEXT in extproc.py)."""
+    server = config.server
+    return _ext_proc(
+        "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit_bytes(server),
+        ("SEND", "BUFFERED", "SEND", "NONE"), server.failure_mode == "open", cluster,
+        # The :online loop asks for more time (override_message_timeout), up to this.
+        max_message_timeout="610s",
+        metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
+    )
+
+
+def header_guard() -> dict:
+    """The early header mutation that strips every client header in the
+    router's namespaces (but the ones an operator may send) before any filter
+    or route match sees the request."""
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [
+                {"remove_on_match": {"key_matcher": matcher}}
+                for prefix in ROUTER_HEADER_PREFIXES for matcher in _namespace_matchers(prefix)
+            ],
+        },
+    }
+
+
 def standby_addresses(addresses: Sequence[str]) -> list[str]:
     """Where each recycling worker's replacement listens: its port plus the
     number of workers (generations alternate between the two)."""
@@ -456,20 +525,11 @@ def bootstrap(
     server = config.server
     sidecars = list(sidecar_addresses or [server.grpc_listen])
     endpoints = sidecars + (standby_addresses(sidecars) if server.max_requests_per_worker else [])
-    buffer_limit = server.max_body_bytes + 1024 * 1024
+    buffer_limit = buffer_limit_bytes(server)
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"
 
-    # Two messages per request: the decision needs the request only. The
-    # sidecar turns the response headers off on every request it lets on
-    # (see _MODE_BODY_NEXT in extproc.py).
-    ext_proc = _ext_proc(
-        "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit, ("SEND", "BUFFERED", "SEND", "NONE"),
-        fail_open,
-        # The :online loop asks for more time (override_message_timeout), up to this.
-        max_message_timeout="610s",
-        metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
-    )
+    ext_proc = decision_filter(config)
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",
@@ -480,18 +540,7 @@ def bootstrap(
         "normalize_path": True,
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
-        "early_header_mutation_extensions": [
-            {
-                "name": "envoy.http.early_header_mutation.header_mutation",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-                    "mutations": [
-                        {"remove_on_match": {"key_matcher": matcher}}
-                        for prefix in ROUTER_HEADER_PREFIXES for matcher in _namespace_matchers(prefix)
-                    ],
-                },
-            }
-        ],
+        "early_header_mutation_extensions": [header_guard()],
         "upgrade_configs": [{"upgrade_type": "websocket"}],
         # The id Envoy gives each request names its usage record; the client
         # gets it back to quote.
@@ -517,8 +566,10 @@ def bootstrap(
                     "domains": ["*"],
                     # The fallback filter reads which attempt it sees.
                     **({"include_request_attempt_count": True} if config.fallback_chains and config.fallback_attempts else {}),
-                    "routes": _with_fallback(config, _routes(timeout_s, config.envoy.idle_timeout_s,
-                                                            _fail_open_cluster(config))),
+                    "routes": _with_fallback(config, _routes(
+                        timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config),
+                        backend_routes(config) if config.envoy.routing == "header_match" else None,
+                    )),
                 }
             ],
         },
@@ -528,7 +579,7 @@ def bootstrap(
             *envoy_limits.filters(config),
             # Token usage into metadata, read from the upstream's bytes (the
             # encode path meets these before ext_proc).
-            _json_usage_filter(),
+            json_usage_filter(),
             _sse_usage_filter(),
             {
                 "name": "envoy.filters.http.router",
@@ -538,7 +589,7 @@ def bootstrap(
                 },
             },
         ],
-        "access_log": [_access_log(config.metering.flush_interval_ms)],
+        "access_log": [access_log(config.metering.flush_interval_ms)],
         "local_reply_config": _local_reply_config(),
     }
     clusters = [

@@ -1,4 +1,5 @@
-"""Server binaries the tests start (Redis, Prometheus), and their installer.
+"""Server binaries the tests start (Redis, Prometheus), the tools they run
+(docker-compose renders the compose file without a daemon), and their installer.
 
 ``python -m tests.servers`` installs whichever of them is missing from Debian's
 packages; the README's test command runs it before pytest so a fresh machine
@@ -19,7 +20,8 @@ from pathlib import Path
 from sidecar.stack import free_port
 
 # binary -> the Debian package that ships it
-BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus"}
+BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
+            "docker-compose": "docker-compose"}
 
 
 def missing() -> dict[str, str]:
