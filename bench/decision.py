@@ -27,6 +27,7 @@ from sidecar.extproc import Processor
 from sidecar.ingress import lookup
 from sidecar.rewrite import SSERewriter, rewrite_json_body
 from sidecar.routing import Request, authenticate, decide
+from sidecar.server import Runtime
 
 CONFIG = """
 backends:
@@ -72,16 +73,6 @@ def processing_requests(i: int) -> list[bytes]:
     b = pb.ProcessingRequest()
     b.request_body.body, b.request_body.end_of_stream = BODY, True
     return [h.SerializeToString(), b.SerializeToString()]
-
-
-class _Runtime:
-    """What the ext_proc handler asks of the server: the snapshot and no backend states."""
-
-    def __init__(self, snap) -> None:
-        self.snapshot = snap
-
-    def backend_states(self):
-        return {}
 
 
 def handler_us(servicer, n: int = 5_000) -> float:
@@ -198,7 +189,13 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from minimal_extproc import MinimalProcessor
 
-    rows.append(("ext_proc handler, 2 messages with protobuf (model-router)", handler_us(Processor(_Runtime(snap)))))
+    with tempfile.TemporaryDirectory() as d:
+        # The server's own Runtime, so the handler meets what it meets in production.
+        path = os.path.join(d, "config.yaml")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(CONFIG % KEYS)
+        runtime = Runtime(path)
+        rows.append(("ext_proc handler, 2 messages with protobuf (model-router)", handler_us(Processor(runtime))))
     rows.append(("ext_proc handler, 2 messages with protobuf (trivial processor)",
                  handler_us(MinimalProcessor("pool-a", "llama-3.1-8b"))))
     width = max(len(r[0]) for r in rows)

@@ -213,6 +213,12 @@ class Race:
                     best, best_score = i, s
             return best
         caller, _ = self.caller_key(prefix, sticky_value, ttl_seconds, now)  # type: ignore[arg-type]
+        return self.pick_key(caller)
+
+    def pick_key(self, caller: bytes) -> int:
+        """Winning variant index for a caller key from :meth:`caller_key`."""
+        best = -1
+        best_score = _INF
         for i, _vid, enc, _w, fw in self._racers:
             m = _unpack_u64(_sha256(caller + enc).digest())[0] >> 11
             s = -_log((m + 0.5) / _TWO_POW_53) / fw

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -48,6 +47,7 @@ def load_config(path: str):
 def cmd_serve(args) -> int:
     from . import workers as workers_mod
     from .envoyconf import standby_addresses
+    from .logs import setup as setup_logging
     from .server import serve, worker_addresses
 
     loaded = load_config(args.config)
@@ -61,12 +61,14 @@ def cmd_serve(args) -> int:
     overrides = _pairs(args.backend_url, "--backend-url")
     if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
-              url_overrides=overrides, usage_records=args.usage_records)
+              url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format)
         return 0
     # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
     if args.usage_records:
         extra += ["--usage-records", args.usage_records]
+    if args.log_format:
+        extra += ["--log-format", args.log_format]
 
     standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
 
@@ -75,8 +77,7 @@ def cmd_serve(args) -> int:
         return [sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
                 "--grpc-listen", grpc_listen, "--admin-listen", admin_addrs[i], *extra]
 
-    logging.basicConfig(level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_format)
     return workers_mod.serve_workers(worker_argv, grpc_addrs + standby + admin_addrs, workers)
 
 
@@ -116,15 +117,35 @@ def cmd_envoy_config(args) -> int:
         backend_urls=urls,
         listen=args.listen, admin_listen=args.admin_listen,
     )
-    sys.stdout.write(envoyconf.render(boot))
+    text = envoyconf.render(boot)
+    if args.output:
+        out = Path(args.output)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)  # whole or not at all: Envoy never reads half a file
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
     return 0
+
+
+def cmd_k8s(args) -> int:
+    from .k8s_cli import run
+
+    return run(args)
 
 
 def cmd_up(args) -> int:
     import tempfile
 
-    from .stack import Stack, StackError
+    from .stack import Stack, StackError, envoy_binary
 
+    if not os.environ.get("MODEL_ROUTER_ENVOY_IMAGE"):
+        try:
+            envoy_binary()
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     tmp = None
     path = args.config
     if path is None:
@@ -205,6 +226,12 @@ def cmd_diff(args) -> int:
     return run(args)
 
 
+def cmd_pause(args) -> int:
+    from .pause_cli import run
+
+    return run(args)
+
+
 def cmd_explain(args) -> int:
     from .explain_cli import run
 
@@ -232,6 +259,12 @@ def _add_experiments(sub) -> None:
     df.add_argument("--movers", type=int, default=20, metavar="N", help="movers listed per experiment (default 20)")
     df.add_argument("--json", action="store_true", help="print JSON, every mover included")
     df.set_defaults(func=cmd_diff)
+    for verb, what in (("pause", "take an arm out of the race (its weight is kept)"), ("resume", "put a paused arm back")):
+        pz = xsub.add_parser(verb, help=what + ", in the config file")
+        pz.add_argument("--config", required=True, help="the config file the sidecars read")
+        pz.add_argument("--experiment", required=True, help="experiment name")
+        pz.add_argument("--variant", required=True, help="variant id")
+        pz.set_defaults(func=cmd_pause)
 
 
 def _add_explain(sub) -> None:
@@ -256,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, help="sidecar processes on consecutive ports (overrides server.workers)")
     s.add_argument("--usage-records", metavar="PATH",
                    help="append usage records (JSON lines) here; - for stdout (overrides metering.usage_records)")
+    s.add_argument("--log-format", choices=("text", "json"),
+                   help="log lines as text (default) or one JSON object each (env: MODEL_ROUTER_LOG_FORMAT)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")
@@ -279,7 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
     e.add_argument("--listen", help="public host:port (default: envoy.listen)")
     e.add_argument("--admin-listen", help="Envoy admin host:port (default: envoy.admin_listen)")
+    e.add_argument("-o", "--output", metavar="FILE", help="write the bootstrap here (default: standard output)")
     e.set_defaults(func=cmd_envoy_config)
+
+    from .k8s_cli import add_arguments as add_k8s
+
+    k = sub.add_parser("k8s", help="print or write Kubernetes, Istio and Envoy Gateway manifests for a config")
+    add_k8s(k)
+    k.set_defaults(func=cmd_k8s)
 
     _add_experiments(sub)
     _add_explain(sub)

@@ -29,6 +29,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
@@ -144,6 +145,10 @@ class Envoy(_Model):
     # answers 431 when its routing headers would push a request past them.
     max_request_headers: Annotated[int, Field(ge=32, le=1000)] = 100
     max_request_headers_kb: Annotated[int, Field(ge=8, le=8192)] = 60
+    # How the route reads the sidecar's choice: "cluster_header" (one route,
+    # the cluster named by the routing header) or "header_match" (one route per
+    # backend matching that header's value: the form Gateway API and Istio express).
+    routing: Literal["cluster_header", "header_match"] = "cluster_header"
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -256,6 +261,13 @@ class Variant(_Model):
     model: ModelName
     weight: Annotated[int, Field(ge=0, le=MAX_WEIGHT)]
     backends: list[Name] | None = None
+    # Paused: out of the race (as weight 0) while ``weight`` keeps the share it resumes with.
+    paused: bool = False
+
+    @property
+    def race_weight(self) -> int:
+        """The weight assignment uses: 0 while paused."""
+        return 0 if self.paused else self.weight
 
 
 class Experiment(_Model):
@@ -409,6 +421,96 @@ class RedisSettings(_Model):
         return v
 
 
+SamplerName = Literal["always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+                      "parentbased_traceidratio"]
+
+
+class Tracing(_Model):
+    """OTLP trace export, one ``router.request`` span per request, built from the
+    access log (docs/observability.md). A field left out takes its ``OTEL_*``
+    environment variable, then the default; ``OTEL_SDK_DISABLED=true`` wins over all."""
+
+    enabled: bool | None = None  # default: on when an endpoint is known (here or OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)
+    endpoint: str | None = None  # http(s)://host:port[/path]; http/protobuf adds /v1/traces to a bare host:port
+    protocol: Literal["grpc", "http/protobuf"] | None = None  # default grpc
+    headers: dict[str, str] | None = None  # sent with each export (a collector's credentials)
+    timeout_ms: Annotated[int, Field(ge=1, le=60_000)] | None = None  # each export; default 10000
+    service_name: str | None = None  # resource service.name; default model-router
+    resource_attributes: dict[str, str] | None = None
+    sampler: SamplerName | None = None  # default parentbased_always_on
+    sampler_arg: Annotated[float, Field(ge=0, le=1)] | None = None  # the ratio of the *traceidratio samplers; default 1
+    max_queue_size: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # spans waiting; past it dropped; 2048
+    max_export_batch_size: Annotated[int, Field(ge=1, le=100_000)] | None = None  # spans per export; default 512
+    schedule_delay_ms: Annotated[int, Field(ge=10, le=600_000)] | None = None  # between exports; default 5000
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be http://host:port or https://host:port")
+        return v
+
+
+class Cache(_Model):
+    """The exact-match response cache (docs/cache.md); absent: nothing is cached."""
+
+    enabled: bool = True
+    store: Literal["memory", "redis"] = "memory"  # redis: the top-level redis section, shared by replicas
+    scope: Literal["key", "shared"] = "key"  # key: one tenant never reads another's answers
+    ttl_s: Annotated[int, Field(ge=1, le=30 * 86_400)] = 300
+    max_bytes: Annotated[int, Field(ge=1024, le=1 << 40)] = 64 * 1024 * 1024  # the memory store's budget
+    max_entry_bytes: Annotated[int, Field(ge=1, le=32 * 1024 * 1024)] = 1024 * 1024  # larger answers are not stored
+    # Opt in by client model (after aliases, without a suffix) or by experiment
+    # name; both unset: every cacheable request.
+    models: list[ModelName] | None = None
+    experiments: list[Name] | None = None
+
+
+class Limit(_Model):
+    """A request rate and/or a token budget for one client-facing model (the
+    base id after a variant suffix), for every caller or for one key id."""
+
+    model: ModelName
+    key_id: Name | None = None  # None: every caller of the model together
+    requests_per_second: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    requests_per_minute: Annotated[int, Field(ge=1, le=60_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=60_000_000)] | None = None  # bucket size; default: the rate
+    tokens: Annotated[int, Field(ge=1)] | None = None  # prompt + completion tokens per window
+    token_window: Annotated[int, Field(ge=1, le=366 * 86400)] = 86400  # seconds; day: UTC midnight to midnight
+    # Count the request rate in Redis through the sidecar's rate-limit service,
+    # so every Envoy and replica shares it (fixed windows; needs redis:).
+    shared: bool = False
+
+    @field_validator("token_window", mode="before")
+    @classmethod
+    def _window(cls, v: Any) -> int:
+        return 86400 if v == "day" else parse_duration(v)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Limit:
+        if self.requests_per_second is not None and self.requests_per_minute is not None:
+            raise ValueError("give requests_per_second or requests_per_minute, not both")
+        rate = self.requests_per_second or self.requests_per_minute
+        if rate is None and self.burst is not None:
+            raise ValueError("burst needs requests_per_second or requests_per_minute")
+        if rate is None and self.tokens is None:
+            raise ValueError("a limit needs a request rate, a token budget (tokens), or both")
+        if self.shared and (rate is None or self.burst is not None):
+            raise ValueError("shared counts a request rate in fixed windows: it needs a rate and takes no burst")
+        return self
+
+    @property
+    def rate(self) -> tuple[int, int] | None:
+        """(requests, per seconds), or None without a request rate."""
+        if self.requests_per_second is not None:
+            return self.requests_per_second, 1
+        if self.requests_per_minute is not None:
+            return self.requests_per_minute, 60
+        return None
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -424,6 +526,12 @@ class Config(_Model):
     fallback_chains: dict[ModelName, list[ModelName]] = {}
     metering: Metering = Metering()
     redis: RedisSettings | None = None
+    # Further hops of the chain a request may move to, in the same client
+    # request, when its first attempt fails upstream (0: none).
+    fallback_attempts: Annotated[int, Field(ge=0, le=3)] = 1
+    tracing: Tracing = Tracing()
+    cache: Cache | None = None
+    limits: list[Limit] = []
 
 
 @dataclass
@@ -623,6 +731,8 @@ def check(config: Config) -> tuple[list[str], list[str]]:
             errors.append(f"{p}.variants: at least one variant is required")
         elif all(v.weight == 0 for v in e.variants):
             errors.append(f"{p}.variants: at least one variant needs a weight above 0")
+        elif all(v.race_weight == 0 for v in e.variants):
+            errors.append(f"{p}.variants: every variant with a weight above 0 is paused; one must stay in the race")
         ids: set[str] = set()
         for j, v in enumerate(e.variants):
             vp = f"{p}.variants[{j}]"
@@ -667,7 +777,45 @@ def check(config: Config) -> tuple[list[str], list[str]]:
                     f"'{reserved[v.model]}' but stays reachable through this experiment, which does not hide its variants"
                 )
     _check_chains(config, reserved, errors, warnings)
+    _check_cache(config, errors)
+    _check_limits(config, errors, warnings)
     return errors, warnings
+
+
+def _check_cache(config: Config, errors: list[str]) -> None:
+    cache = config.cache
+    if cache is None:
+        return
+    if cache.store == "redis" and config.redis is None:
+        errors.append("cache.store: 'redis' needs the top-level redis section (redis.url)")
+    names = {e.name for e in config.model_experiments}
+    for i, name in enumerate(cache.experiments or []):
+        if name not in names:
+            errors.append(f"cache.experiments[{i}]: unknown experiment '{name}'")
+
+
+def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> None:
+    key_ids = {k.id for k in config.api_keys or ()}
+    models = {m for b in config.backends for m in b.models or ()} | {e.model for e in config.model_experiments}
+    models |= set(config.model_aliases.values()) | {n for m in config.model_metadata for n in (m.id, *m.aliases)}
+    all_declared = all(b.models is not None for b in config.backends if b.enabled)
+    if config.redis is None and config.server.workers > 1 and any(lim.tokens for lim in config.limits):
+        warnings.append(f"limits: each of the {config.server.workers} workers counts token budgets on its own "
+                        "without a redis: section, so a budget can be spent up to once per worker")
+    seen: dict[tuple[str, str | None], int] = {}
+    for i, lim in enumerate(config.limits):
+        p = f"limits[{i}]"
+        if (lim.model, lim.key_id) in seen:
+            errors.append(f"{p}: a second limit for model '{lim.model}'"
+                          + (f" and key id '{lim.key_id}'" if lim.key_id else "")
+                          + f" (also limits[{seen[lim.model, lim.key_id]}])")
+        seen.setdefault((lim.model, lim.key_id), i)
+        if lim.shared and config.redis is None:
+            errors.append(f"{p}.shared: a shared request rate is counted in Redis; add a redis: section")
+        if lim.key_id is not None and lim.key_id not in key_ids:
+            errors.append(f"{p}.key_id: unknown key id '{lim.key_id}' (no api_keys entry has it)")
+        if all_declared and lim.model not in models:
+            warnings.append(f"{p}.model: '{lim.model}' is not a model any backend, experiment or alias names")
 
 
 def _check_chains(config: Config, reserved: dict[str, str], errors: list[str], warnings: list[str]) -> None:

@@ -23,11 +23,13 @@ from typing import Any
 
 import yaml
 
+from . import envoy_fallback, envoy_limits, snapshot
 from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import (
     ATTRIBUTION_HEADERS,
     BACKEND_HEADER,
+    CACHE_HEADER,
     CLIENT_ROUTER_HEADERS,
     EXPLAIN_HEADER,
     ROUTER_HEADER_PREFIXES,
@@ -154,7 +156,7 @@ def _local_reply_config() -> dict:
         }},
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
-    mappers: list[dict] = [{"filter": ours}]
+    mappers: list[dict] = [{"filter": ours}, *envoy_limits.reply_mappers(anthropic)]
     for status, code, kind, headers in _ENVOY_REPLIES:
         for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _openai_error(code, kind))):
             mappers.append({
@@ -173,6 +175,7 @@ _ATTRIBUTION_KEYS = {
     "x-continuum-model-variant-applied": "x_model_variant_applied",
     "x-continuum-fallback-model": "x_fallback_model",
     EXPLAIN_HEADER: "x_explain",
+    CACHE_HEADER: "x_cache",
 }
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 
@@ -213,13 +216,32 @@ def _namespace_matchers(prefix: str) -> list[dict]:
     return [{"safe_regex": {"regex": p}} for p in patterns]
 
 
-def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) -> list[dict]:
-    """Two routes to the same cluster: the one the decision selects (with
-    ``x-model-router-response``) runs the response processor among its
-    upstream filters; every other request skips it. Failing open, a request
-    the sidecar never saw (no backend header) goes to ``fail_open_cluster``."""
+def backend_routes(config: Config) -> list[tuple[str, str]]:
+    """The routing table every generated route set is built from: the value of
+    the sidecar's routing header (``x-model-router-backend``) and the backend
+    it selects. The header-match routes here and the Kubernetes routes
+    (:mod:`sidecar.k8s`) both come from it, so they cannot drift apart."""
+    return [(b.name, b.name) for b in config.backends]
+
+
+# header_match: the route a request matches before the sidecar has decided
+# (the filters run on it), and the one a request whose routing header names no
+# backend ends on: Envoy's own 404, in the ingress's error shape.
+UNROUTED = {"name": "unrouted", "match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {
+    "inline_string": "no backend was selected for this request"}}}
+
+
+def _routes(
+    timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None, table: list[tuple[str, str]] | None = None,
+) -> list[dict]:
+    """Two routes per target: the one the decision selects with
+    ``x-model-router-response`` runs the response processor among its
+    upstream filters; the other skips it. The target is the cluster named by
+    the routing header (``cluster_header``) or, given ``table``, one route pair
+    per backend matching the header's value exactly (``header_match``).
+    Failing open, a request the sidecar never saw (no backend header) goes to
+    ``fail_open_cluster``."""
     action = {
-        "cluster_header": BACKEND_HEADER,
         # A reasoning model may stream for many minutes: the route bounds silence
         # (idle_timeout) and, far larger, the whole exchange (timeout, 0: none).
         "timeout": f"{timeout_s}s",
@@ -228,26 +250,61 @@ def _routes(timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None) 
         "retry_policy": {"retry_on": "connect-failure,reset-before-request", "num_retries": 1},
     }
     disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
-    unseen: list[dict] = []
+    rewrite = {"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}
+    routes: list[dict] = []
     if fail_open_cluster is not None:
-        unseen.append({
+        routes.append({
             "name": "fail_open",
             "match": {"prefix": "/", "headers": [{"name": BACKEND_HEADER, "present_match": False}]},
-            "route": {k: v for k, v in action.items() if k != "cluster_header"} | {"cluster": fail_open_cluster},
+            "route": {**action, "cluster": fail_open_cluster},
             "typed_per_filter_config": {RESPONSE_FILTER: disabled},
         })
-    return [*unseen,
+    targets = [(None, [], {"cluster_header": BACKEND_HEADER})] if table is None else [
+        (value, [{"name": BACKEND_HEADER, "string_match": {"exact": value}}], {"cluster": cluster})
+        for value, cluster in table
+    ]
+    for value, match, target in targets:
+        prefix = "" if value is None else f"{value}/"
+        route = {**target, **action}
+        routes += [
+            {"name": f"{prefix}rewrite", "match": {"prefix": "/", "headers": [*match, rewrite]}, "route": route},
+            {"name": f"{prefix}default", "match": {"prefix": "/", **({"headers": match} if match else {})},
+             "route": route, "typed_per_filter_config": {RESPONSE_FILTER: disabled}},
+        ]
+    return routes if table is None else [*routes, UNROUTED]
+
+
+def _with_fallback(config: Config, routes: list[dict]) -> list[dict]:
+    """The routes of decisions with hops to fall back to come first. They name
+    composite clusters, which only Envoy's own configuration has, so in either
+    routing mode they take the cluster from the routing header."""
+    if not config.fallback_chains:
+        return routes
+    if config.envoy.routing == "header_match":
+        routes_by_header = _routes(config.envoy.upstream_timeout_s, config.envoy.idle_timeout_s, None)
+    else:
+        routes_by_header = routes
+    plain = [r for r in routes_by_header if r["name"] in ("rewrite", "default")]
+    return envoy_fallback.routes(config.fallback_attempts, plain) + routes
+
+
+def _url(config: Config, backend: str) -> str:
+    return next(b.url for b in config.backends if b.name == backend)
+
+
+def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> list[dict]:
+    return [
+        _response_ext_proc(message_timeout_ms, buffer_limit, fail_open),
         {
-            "name": "rewrite",
-            "match": {"prefix": "/", "headers": [{"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}]},
-            "route": action,
+            "name": "envoy.filters.http.upstream_codec",
+            "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
         },
-        {"name": "default", "match": {"prefix": "/"}, "route": action, "typed_per_filter_config": {RESPONSE_FILTER: disabled}},
     ]
 
 
 def _ext_proc(
-    name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool, **extra: Any
+    name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool,
+    cluster: str = RESERVED_BACKEND_NAME, **extra: Any,
 ) -> dict:
     """An ext_proc filter on the sidecar cluster. ``modes``: request headers,
     request body, response headers, response body (trailers are never sent).
@@ -259,7 +316,7 @@ def _ext_proc(
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {
-                "envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME, "max_receive_message_length": buffer_limit},
+                "envoy_grpc": {"cluster_name": cluster, "max_receive_message_length": buffer_limit},
                 "timeout": "30s",
             },
             "failure_mode_allow": fail_open,
@@ -312,7 +369,7 @@ def _usage_rule(path: tuple[str, ...], key: str) -> dict:
     }
 
 
-def _json_usage_filter() -> dict:
+def json_usage_filter() -> dict:
     return {
         "name": "envoy.filters.http.json_to_metadata",
         "typed_config": {
@@ -348,7 +405,7 @@ def _sse_usage_filter() -> dict:
     }
 
 
-def _access_log(flush_interval_ms: int) -> dict:
+def access_log(flush_interval_ms: int, cluster: str = RESERVED_BACKEND_NAME) -> dict:
     """One entry per request to the sidecar's AccessLogService, batched."""
     return {
         "name": "envoy.access_loggers.http_grpc",
@@ -356,11 +413,13 @@ def _access_log(flush_interval_ms: int) -> dict:
             "@type": _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
                 "log_name": "model_router",
-                "grpc_service": {"envoy_grpc": {"cluster_name": RESERVED_BACKEND_NAME}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                 "transport_api_version": "V3",
                 "buffer_flush_interval": f"{flush_interval_ms / 1000:.3f}s",
                 "buffer_size_bytes": 16384,
             },
+            # The client's trace context: the sidecar's spans join its trace.
+            "additional_request_headers_to_log": ["traceparent", "tracestate"],
         },
     }
 
@@ -403,6 +462,41 @@ def _sidecar_guards(server: Server, endpoints: int) -> dict:
     }
 
 
+def buffer_limit_bytes(server: Server) -> int:
+    return server.max_body_bytes + 1024 * 1024
+
+
+def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dict:
+    """The ext_proc filter that asks the sidecar for the decision, calling it
+    through ``cluster``. Two messages per request: the decision needs the
+    request only. The sidecar turns the response headers off on every request
+    it lets on (see _MODE_BODY_NEXT in extproc.py)."""
+    server = config.server
+    return _ext_proc(
+        "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit_bytes(server),
+        ("SEND", "BUFFERED", "SEND", "NONE"), server.failure_mode == "open", cluster,
+        # The :online loop asks for more time (override_message_timeout), up to this.
+        max_message_timeout="610s",
+        metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
+    )
+
+
+def header_guard() -> dict:
+    """The early header mutation that strips every client header in the
+    router's namespaces (but the ones an operator may send) before any filter
+    or route match sees the request."""
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [
+                {"remove_on_match": {"key_matcher": matcher}}
+                for prefix in ROUTER_HEADER_PREFIXES for matcher in _namespace_matchers(prefix)
+            ],
+        },
+    }
+
+
 def standby_addresses(addresses: Sequence[str]) -> list[str]:
     """Where each recycling worker's replacement listens: its port plus the
     number of workers (generations alternate between the two)."""
@@ -431,20 +525,11 @@ def bootstrap(
     server = config.server
     sidecars = list(sidecar_addresses or [server.grpc_listen])
     endpoints = sidecars + (standby_addresses(sidecars) if server.max_requests_per_worker else [])
-    buffer_limit = server.max_body_bytes + 1024 * 1024
+    buffer_limit = buffer_limit_bytes(server)
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"
 
-    # Two messages per request: the decision needs the request only. The
-    # sidecar turns the response headers off on every request it lets on
-    # (see _MODE_BODY_NEXT in extproc.py).
-    ext_proc = _ext_proc(
-        "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit, ("SEND", "BUFFERED", "SEND", "NONE"),
-        fail_open,
-        # The :online loop asks for more time (override_message_timeout), up to this.
-        max_message_timeout="610s",
-        metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
-    )
+    ext_proc = decision_filter(config)
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",
@@ -455,18 +540,7 @@ def bootstrap(
         "normalize_path": True,
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
-        "early_header_mutation_extensions": [
-            {
-                "name": "envoy.http.early_header_mutation.header_mutation",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-                    "mutations": [
-                        {"remove_on_match": {"key_matcher": matcher}}
-                        for prefix in ROUTER_HEADER_PREFIXES for matcher in _namespace_matchers(prefix)
-                    ],
-                },
-            }
-        ],
+        "early_header_mutation_extensions": [header_guard()],
         "upgrade_configs": [{"upgrade_type": "websocket"}],
         # The id Envoy gives each request names its usage record; the client
         # gets it back to quote.
@@ -479,40 +553,43 @@ def bootstrap(
         "request_timeout": "0s",
         "route_config": {
             "name": "model_router",
-            "request_headers_to_remove": [BACKEND_HEADER, RESPONSE_HEADER, *CLIENT_ROUTER_HEADERS],
+            "request_headers_to_remove": [
+                BACKEND_HEADER, RESPONSE_HEADER, *CLIENT_ROUTER_HEADERS, *envoy_limits.INTERNAL_REQUEST_HEADERS,
+            ],
             # An upstream cannot forge the router's attribution; the router's own
             # comes from the decision's metadata (applied after the removal).
-            "response_headers_to_remove": list(ATTRIBUTION_HEADERS),
-            "response_headers_to_add": _attribution_headers(),
+            "response_headers_to_remove": [*ATTRIBUTION_HEADERS, *envoy_limits.response_headers_to_remove(config)],
+            "response_headers_to_add": _attribution_headers() + envoy_limits.response_headers_to_add(),
             "virtual_hosts": [
                 {
                     "name": "all",
                     "domains": ["*"],
-                    "routes": _routes(timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config)),
+                    # The fallback filter reads which attempt it sees.
+                    **({"include_request_attempt_count": True} if config.fallback_chains and config.fallback_attempts else {}),
+                    "routes": _with_fallback(config, _routes(
+                        timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config),
+                        backend_routes(config) if config.envoy.routing == "header_match" else None,
+                    )),
                 }
             ],
         },
         "http_filters": [
             ext_proc,
+            # Request rates, on the descriptor the decision names (none: no filter).
+            *envoy_limits.filters(config),
             # Token usage into metadata, read from the upstream's bytes (the
             # encode path meets these before ext_proc).
-            _json_usage_filter(),
+            json_usage_filter(),
             _sse_usage_filter(),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {
                     "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
-                    "upstream_http_filters": [
-                        _response_ext_proc(server.message_timeout_ms, buffer_limit, fail_open),
-                        {
-                            "name": "envoy.filters.http.upstream_codec",
-                            "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
-                        },
-                    ],
+                    "upstream_http_filters": _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
                 },
             },
         ],
-        "access_log": [_access_log(config.metering.flush_interval_ms)],
+        "access_log": [access_log(config.metering.flush_interval_ms)],
         "local_reply_config": _local_reply_config(),
     }
     clusters = [
@@ -547,6 +624,11 @@ def bootstrap(
         if url == "demo://":
             raise ValueError(f"backend '{b.name}' is served by a demo engine; pass its address")
         clusters.append(_backend_cluster(b.name, url, buffer_limit))
+    clusters += envoy_fallback.clusters(
+        snapshot.build(config, urls), config.fallback_attempts,
+        lambda name, backend: _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit),
+        _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
+    )
 
     return {
         "admin": {"address": _addr(admin_listen or config.envoy.admin_listen)},

@@ -15,7 +15,7 @@ Kind = Literal[
     "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
     "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
-    "gateway_timeout", "internal", "overloaded", "response_not_found", "previous_response_not_found",
+    "gateway_timeout", "internal", "overloaded", "rate_limited", "response_not_found", "previous_response_not_found",
 ]
 
 # kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
@@ -39,6 +39,7 @@ _KINDS: dict[Kind, tuple[int, str, str, str]] = {
     "gateway_timeout": (504, "server_error", "upstream_timeout", "api_error"),
     "internal": (500, "server_error", "internal_error", "api_error"),
     "overloaded": (503, "server_error", "router_overloaded", "overloaded_error"),
+    "rate_limited": (429, "tokens", "rate_limit_exceeded", "rate_limit_error"),
     # Responses API: a stored response the router cannot place.
     "response_not_found": (404, "invalid_request_error", "response_not_found", "not_found_error"),
     "previous_response_not_found": (400, "invalid_request_error", "previous_response_not_found", "invalid_request_error"),
@@ -69,7 +70,7 @@ def error(kind: Kind, message: str, family: str = "openai", param: str | None = 
     else:
         body = {"error": {"message": message, "type": otype, "param": param, "code": code}}
     retry = _RETRY_AFTER.get(kind)
-    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else ())
+    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else (), meta=(("refusal", kind),))
 
 
 def model_not_found(model: str, family: str, reserved_by: str | None = None) -> Reply:

@@ -216,8 +216,8 @@ def _compare(old: Experiment, new: Experiment, unix_time: float, source: CallerS
     if old.sticky_key == new.sticky_key == "none":
         return ExperimentDiff(new.name, status, old, new, notes=tuple(_notes(old, new, Fraction(0))),
                               arms=_arms(old, new), observed_note="sticky_key is none: no caller keeps an arm")
-    old_v = [(v.id, v.weight) for v in old.variants]
-    new_v = [(v.id, v.weight) for v in new.variants]
+    old_v = [(v.id, v.race_weight) for v in old.variants]
+    new_v = [(v.id, v.race_weight) for v in new.variants]
     kept = _kept(old, new, unix_time)
     joint = _mix(kept, reassignment.same_key(old_v, new_v), reassignment.independent(old_v, new_v))
     observed: Observed | None = None
@@ -252,8 +252,8 @@ def _mix(kept: Fraction, same: reassignment.Joint, fresh: reassignment.Joint) ->
 
 
 def _arms(old: Experiment, new: Experiment) -> tuple[Arm, ...]:
-    p = reassignment.shares([(v.id, v.weight) for v in old.variants])
-    q = reassignment.shares([(v.id, v.weight) for v in new.variants])
+    p = reassignment.shares([(v.id, v.race_weight) for v in old.variants])
+    q = reassignment.shares([(v.id, v.race_weight) for v in new.variants])
     olds = {v.id: v for v in old.variants}
     news = {v.id: v for v in new.variants}
     zero = Fraction(0)
@@ -261,7 +261,7 @@ def _arms(old: Experiment, new: Experiment) -> tuple[Arm, ...]:
         Arm(
             vid,
             olds[vid].model if vid in olds else None, news[vid].model if vid in news else None,
-            olds[vid].weight if vid in olds else 0, news[vid].weight if vid in news else 0,
+            olds[vid].race_weight if vid in olds else 0, news[vid].race_weight if vid in news else 0,
             p.get(vid, zero), q.get(vid, zero),
         )
         for vid in dict.fromkeys([*olds, *news])
@@ -270,7 +270,7 @@ def _arms(old: Experiment, new: Experiment) -> tuple[Arm, ...]:
 
 def _observe(old: Experiment, new: Experiment, callers: Callers, unix_time: float, source: str) -> Observed:
     """Each caller's arm under both configs, by the request path's race."""
-    old_race, new_race = Race([(v.id, v.weight) for v in old.variants]), Race([(v.id, v.weight) for v in new.variants])
+    old_race, new_race = Race([(v.id, v.race_weight) for v in old.variants]), Race([(v.id, v.race_weight) for v in new.variants])
     old_prefix, new_prefix = salt_prefix(old.name), salt_prefix(new.name)
     movers = []
     for label, value in callers:
@@ -323,7 +323,7 @@ def _notes(old: Experiment, new: Experiment, kept: Fraction) -> list[str]:
         else:
             notes.append(f"variant '{vid}' is removed: its callers spread over the remaining arms by weight")
     for vid in added:
-        if news[vid].weight == 0:
+        if news[vid].race_weight == 0:
             notes.append(f"variant '{vid}' is added with weight 0: no caller moves to it yet")
         else:
             notes.append(f"variant '{vid}' is added: it draws its share from every arm")
@@ -331,9 +331,9 @@ def _notes(old: Experiment, new: Experiment, kept: Fraction) -> list[str]:
         n = news.get(vid)
         if n is None:
             continue
-        if v.weight > 0 and n.weight == 0:
+        if v.race_weight > 0 and n.race_weight == 0:
             notes.append(f"variant '{vid}' is paused (weight 0): its callers spread over the others by weight")
-        elif v.weight == 0 and n.weight > 0:
+        elif v.race_weight == 0 and n.race_weight > 0:
             notes.append(f"variant '{vid}' is resumed: it takes callers back from every arm")
         if v.model != n.model:
             notes.append(f"variant '{vid}' now dispatches '{n.model}' instead of '{v.model}': its callers stay "

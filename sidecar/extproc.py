@@ -33,7 +33,9 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
+from .cache import ResponseCache
 from .errors import Reply
+from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, follow_up, lookup
 from .ingress import listing_path as listing_of
 from .response_stream import (
@@ -91,10 +93,11 @@ def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct |
     """The sidecar's own answer. Its metadata marks it as ours (Envoy's
     local-reply mapping leaves it alone) and carries the decision so far."""
     md = {"reply": "sidecar", "kind": "refusal" if reply.status >= 400 else "answered", **dict(reply.meta), **(meta or {})}
+    typed = any(k == "content-type" for k, _ in reply.headers)
     resp = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=reply.status),
-            headers=header_mutation((("content-type", reply.content_type),) + reply.headers),
+            headers=header_mutation((() if typed else (("content-type", reply.content_type),)) + reply.headers),
             body=reply.body,
             details=f"model_router_{reply.status}",
         ),
@@ -133,6 +136,8 @@ class _Stream:
         rid = self.headers.get("x-request-id")
         if rid:
             out["request_id"] = rid
+        if self.ingress is not None:
+            out["ingress"] = self.ingress.path
         if self.caller is not None and self.caller.key is not None:
             out["key_id"] = self.caller.key.id
         return out
@@ -166,6 +171,8 @@ class Processor(pbg.ExternalProcessorServicer):
         self._counter = 0
         self._rand = random.Random(os.urandom(16))
         self.in_flight = 0
+        self.cache = ResponseCache()
+        self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
     async def Process(self, request_iterator, context):
@@ -173,6 +180,7 @@ class Processor(pbg.ExternalProcessorServicer):
         response: ResponseStream | None = None
         silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
         messages = request_iterator.__aiter__()
+        hop: HopStream | None = None
         self.in_flight += 1
         try:
             while True:
@@ -185,6 +193,10 @@ class Processor(pbg.ExternalProcessorServicer):
                     return
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
+                    if is_hop(req):  # a fallback attempt on a hop's cluster
+                        hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
+                        yield hop.headers()
+                        continue
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
                         yield self._shed(st, req.request_headers)
                         return
@@ -194,12 +206,18 @@ class Processor(pbg.ExternalProcessorServicer):
                     if resp.mode_override.request_body_mode != _P.BUFFERED:
                         return  # the last answer Envoy needs: end the stream from our side
                 elif kind == "request_body":
+                    if hop is not None:
+                        yield hop.body(req.request_body)
+                        return
                     resp = self._request_body(st, req.request_body)
-                    if st.route is not None and st.route.plan is not None and st.route.plan.suffix == "online":
+                    plan = st.route.plan if st.route is not None else None
+                    if plan is not None and plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
                         deadline = st.snap.config.web_search.deadline_s + 5
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
                         resp = await self._online(st, req.request_body.body)
+                    elif plan is not None and plan.cache is not None and plan.cache.read:
+                        resp = await self._from_cache(st) or resp
                     yield resp
                     return
                 elif kind == "response_headers":
@@ -216,7 +234,10 @@ class Processor(pbg.ExternalProcessorServicer):
                     if response is None:
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                         return
-                    yield response.body(req.response_body)
+                    answer = response.body(req.response_body)
+                    if response.kept is not None:
+                        self._store(response)
+                    yield answer
                     if response.finished:
                         return
                 elif kind == "request_trailers":
@@ -324,6 +345,7 @@ class Processor(pbg.ExternalProcessorServicer):
             ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
             now=time.time(), pick=self._counter, rand=self._rand.random(),
             states=self.runtime.backend_states(), mono=time.monotonic(), trace=st.trace,
+            spent=self.runtime.budgets.spent,
         )
         try:
             route = routing.decide(snap, req)
@@ -370,6 +392,35 @@ class Processor(pbg.ExternalProcessorServicer):
             reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, st.trace.summary()),))
         return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
 
+    async def _from_cache(self, st: _Stream) -> pb.ProcessingResponse | None:
+        """A cache hit's answer (no upstream call), or None to send the request on.
+        The entry holds the backend's answer; this request's rename applies."""
+        route = st.route
+        plan = route.plan
+        entry = await self.cache.get(st.snap.config, plan.cache.key, plan.experiment or "", plan.variant or "")
+        if entry is None:
+            return None
+        body = entry.body if plan.rewrite_model is None else rewrite_json_body(entry.body, plan.rewrite_model, plan.family)[0]
+        reply = Reply(entry.status, body, headers=(("content-type", entry.content_type),))
+        meta = {**route.metadata(), **st.meta(), "kind": "cache_hit", "x_cache": "hit"}
+        if st.trace is not None:
+            meta["x_explain"] = st.trace.summary()
+        return immediate(reply, meta)
+
+    def _store(self, response: ResponseStream) -> None:
+        """Keep the answer the response stream saw, beside the stream: Envoy
+        may end the stream as soon as it has the last answer, and the client
+        never waits for the store."""
+        order = response.plan.store
+        entry = response.kept
+        if order is None or entry is None:
+            return
+        task = asyncio.create_task(
+            self.cache.put(self.runtime.snapshot.config, order.key, entry, order.ttl_s, order.experiment, order.variant)
+        )
+        self._stores.add(task)
+        task.add_done_callback(self._stores.discard)
+
     @staticmethod
     def _canonical_path(st: _Stream, route: routing.Route) -> None:
         """Send upstream the spelling the decision was made on."""
@@ -380,7 +431,9 @@ class Processor(pbg.ExternalProcessorServicer):
         """The request-header mutation that carries a route, or a 431 when it
         would take the request past Envoy's header limits (Envoy would answer
         that mutation with a 503 that blames the server)."""
-        sets = [(BACKEND_HEADER, route.backend.name), *route.set_headers]
+        sets = [(BACKEND_HEADER, route.cluster), *route.set_headers]
+        if route.limits is not None:
+            sets += route.limits.headers  # the descriptor Envoy's rate-limit filter reads
         if route.path is not None:
             sets.append((":path", route.path))
         if route.body is not None:

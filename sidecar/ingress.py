@@ -37,6 +37,8 @@ class Ingress:
     counted: bool = True
     # Response carries token usage worth reading.
     usage: bool = True
+    # A buffered answer may come from the response cache.
+    cacheable: bool = False
     # Other paths that name this endpoint.
     spellings: tuple[str, ...] = ()
     # Responses API: the answer's response ids name the backend that stores it.
@@ -46,12 +48,16 @@ class Ingress:
 
 
 _ROWS = [
-    Ingress("/v1/chat/completions", "openai", "json", "/v1/chat/completions", suffixes=True),
-    Ingress("/v1/completions", "openai", "json", "/v1/completions"),
-    Ingress("/v1/embeddings", "openai", "json", "/v1/embeddings"),
-    Ingress("/v1/responses", "openai", "json", "/v1/responses", aliases=True, response_ids=True, continues=True),
+    Ingress("/v1/chat/completions", "openai", "json", "/v1/chat/completions", suffixes=True, cacheable=True),
+    Ingress("/v1/completions", "openai", "json", "/v1/completions", cacheable=True),
+    Ingress("/v1/embeddings", "openai", "json", "/v1/embeddings", cacheable=True),
+    Ingress("/v1/responses", "openai", "json", "/v1/responses", aliases=True, cacheable=True,
+            response_ids=True, continues=True),
     Ingress("/v1/responses/compact", "openai", "json", "/v1/responses/compact", aliases=True, continues=True),
-    Ingress("/anthropic/v1/messages", "anthropic", "json", "/v1/messages", aliases=True, spellings=("/v1/messages",)),
+    Ingress(
+        "/anthropic/v1/messages", "anthropic", "json", "/v1/messages", aliases=True, cacheable=True,
+        spellings=("/v1/messages",),
+    ),
     Ingress(
         "/anthropic/v1/messages/count_tokens", "anthropic", "json", "/v1/messages/count_tokens",
         aliases=True, counted=False, usage=False, spellings=("/v1/messages/count_tokens",),

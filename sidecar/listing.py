@@ -47,7 +47,7 @@ def catalog(snap: Snapshot) -> tuple[Entry, ...]:
     for client_model, info in snap.experiments.items():
         union: list[str] = []
         for v in info.config.variants:
-            if v.weight <= 0:
+            if v.race_weight <= 0:
                 continue
             _, serving = snap.resolve(v.model)
             for n in serving:

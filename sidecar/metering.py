@@ -33,8 +33,11 @@ from .response_stream import NAMESPACE, USAGE_NAMESPACE
 
 log = logging.getLogger("model_router.metering")
 
-# Kinds of decision that count as requests on an experiment arm.
-_COUNTED_KINDS = ("routed", "refusal", "answered")
+# Kinds of decision that count as requests on an experiment arm (a cache hit
+# too: the arm answered it, from its own entries).
+_COUNTED_KINDS = ("routed", "refusal", "answered", "cache_hit")
+# Kinds whose request was served under its decision's suffix and fallback.
+_SERVED_KINDS = ("routed", "answered", "cache_hit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,9 @@ class Entry:
     completion_tokens: int | None
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
+    rate_limited: bool = False  # Envoy's request-rate filter refused it
+    traceparent: str | None = None  # the client's W3C trace context headers, as sent
+    tracestate: str | None = None
 
 
 def _seconds(d) -> float | None:
@@ -85,6 +91,9 @@ def entry_of(log_entry) -> Entry:
             or flags.upstream_protocol_error or flags.no_healthy_upstream
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+        rate_limited=flags.rate_limited,
+        traceparent=log_entry.request.request_headers.get("traceparent"),
+        tracestate=log_entry.request.request_headers.get("tracestate"),
     )
 
 
@@ -158,18 +167,29 @@ class JsonLinesSink:
             os.close(self._fd)
 
 
-class Meter:
-    """Turns entries into metrics, passive health reports and usage records."""
+class Observer(Protocol):
+    """Something else made of each entry (a span, a log line); must not block."""
 
-    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None) -> None:
+    def observe(self, entry: Entry) -> None: ...
+
+
+class Meter:
+    """Turns entries into metrics, passive health reports and usage records,
+    and hands each to the observers."""
+
+    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
+                 observers: Iterable[Observer] = ()) -> None:
         self.report_failure = report_failure
         self.sink = sink
+        self.observers = tuple(observers)
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
         for e in entries:
             metrics.ACCESS_LOG_ENTRIES.inc()
             self._count(e)
+            for observer in self.observers:
+                observer.observe(e)
             if self.sink is not None and (rec := usage_record(e)) is not None:
                 records.append(rec)
         if records and self.sink is not None:
@@ -186,10 +206,10 @@ class Meter:
         if kind in ("routed", "passthrough", "count_tokens", "follow_up") and backend and (e.status >= 500 or e.upstream_failed):
             self.report_failure(str(backend), e.status or None)
         suffix = d.get("suffix")
-        if suffix and kind in ("routed", "answered"):
+        if suffix and kind in _SERVED_KINDS:
             metrics.VARIANT_REQUESTS.labels(suffix, "true" if d.get("suffix_applied", True) else "false").inc()
         experiment, variant = d.get("experiment"), d.get("variant")
-        if kind in ("routed", "answered") and d.get("fallback_to"):
+        if kind in _SERVED_KINDS and d.get("fallback_to"):
             metrics.FALLBACKS.labels(experiment or "", variant or "", d.get("fallback_from") or "",
                                      d["fallback_to"], d.get("fallback_reason") or "").inc()
         if not experiment or not variant:
@@ -199,6 +219,9 @@ class Meter:
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:
                 metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
+        if kind == "cache_hit":
+            metrics.EXPERIMENT_CACHE_HITS.labels(experiment, variant).inc()
+            return  # no model ran: no tokens
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
         if e.prompt_tokens:

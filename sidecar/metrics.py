@@ -101,6 +101,9 @@ SHED = Counter(
 )
 
 
+# At selection (the model had no admissible backend); after a failed attempt
+# (connect failure, reset, 5xx, 429).
+FALLBACK_REASONS = ("no_admissible_backend", "upstream_error")
 FALLBACKS = Counter(
     "model_router_fallbacks_total",
     "Requests served by a fallback-chain hop (experiment and variant empty outside experiments; "
@@ -127,6 +130,19 @@ USAGE_RECORDS_DROPPED = Counter(
     "Usage records that could not be written to their sink.",
     registry=REGISTRY,
 )
+TRACE_SPANS_EXPORTED = Counter(
+    "model_router_trace_spans_exported_total",
+    "router.request spans the OTLP collector accepted.",
+    registry=REGISTRY,
+)
+TRACE_SPANS_DROPPED = Counter(
+    "model_router_trace_spans_dropped_total",
+    "router.request spans lost: the export queue was full, the export failed, or the collector rejected them.",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("queue_full", "export_failed", "rejected"):
+    TRACE_SPANS_DROPPED.labels(_reason)
 
 WEB_SEARCH_REQUESTS = Counter(
     "model_router_web_search_requests_total",
@@ -144,17 +160,50 @@ WEB_SEARCH_ERRORS = Counter(
     "model_router_web_search_provider_errors_total", "Failed calls to the web-search provider.", registry=REGISTRY,
 )
 
+EXPERIMENT_CACHE_HITS = Counter(
+    "model_experiment_cache_hits_total",
+    "The arm's requests answered from the response cache (also counted in model_experiment_requests_total).",
+    ["experiment", "variant"],
+    registry=REGISTRY,
+)
+VARIANT_PAUSED = Gauge(
+    "model_experiment_variant_paused",
+    "1 while the arm is paused (out of the race, its weight kept), else 0; set when the config loads.",
+    ["experiment", "variant"],
+    registry=REGISTRY,
+)
+VARIANT_WEIGHT = Gauge(
+    "model_experiment_variant_weight",
+    "The arm's weight in the race (0 while paused); role is control for the first declared variant, which "
+    "the error-rate rules compare the others with, else treatment.",
+    ["experiment", "variant", "role"],
+    registry=REGISTRY,
+)
+
 
 STATUSES = ("success", "client_error", "server_error")
 ASSIGNMENTS = ("sticky", "random")
 SUFFIXES = ("nitro", "floor", "thinking", "online")
 
 
+LIMIT_REFUSALS = Counter(
+    "model_router_limit_refusals_total",
+    "Requests refused by a limit: kind requests (Envoy's request-rate filter) or tokens (a spent token budget).",
+    ["model", "key_id", "kind"],
+    registry=REGISTRY,
+)
+
+
 def prime(config: Config) -> None:
     """Create every label set ``config`` implies, at zero."""
     for result in ("success", "failure"):
         CONFIG_RELOADS.labels(result)
+    VARIANT_PAUSED.clear()  # arms the config no longer has leave the page
+    VARIANT_WEIGHT.clear()
     for e in config.model_experiments:
+        for j, v in enumerate(e.variants):
+            VARIANT_PAUSED.labels(e.name, v.id).set(1 if v.paused else 0)
+            VARIANT_WEIGHT.labels(e.name, v.id, "control" if j == 0 else "treatment").set(v.race_weight)
         if e.hide_variant_models:
             RESERVED_REFUSALS.labels(e.name)
         for v in e.variants:
@@ -165,14 +214,28 @@ def prime(config: Config) -> None:
                 for assignment in ASSIGNMENTS:
                     EXPERIMENT_REQUESTS.labels(e.name, v.id, status, assignment)
     chains = config.fallback_chains
+    reasons = FALLBACK_REASONS if config.fallback_attempts else FALLBACK_REASONS[:1]
     for origin, chain in chains.items():
         for hop in chain:
-            FALLBACKS.labels("", "", origin, hop, "no_admissible_backend")
+            for reason in reasons:
+                FALLBACKS.labels("", "", origin, hop, reason)
     for e in config.model_experiments:
         if e.fallback == "cross_variant":
             for v in e.variants:
                 for hop in chains.get(v.model, ()):
-                    FALLBACKS.labels(e.name, v.id, v.model, hop, "no_admissible_backend")
+                    for reason in reasons:
+                        FALLBACKS.labels(e.name, v.id, v.model, hop, reason)
+    if config.cache is not None:
+        from . import cache
+
+        cache.prime(config)
+        for e in config.model_experiments:
+            for v in e.variants:
+                EXPERIMENT_CACHE_HITS.labels(e.name, v.id)
+    for lim in config.limits:
+        for kind, on in (("requests", lim.rate is not None), ("tokens", lim.tokens is not None)):
+            if on:
+                LIMIT_REFUSALS.labels(lim.model, lim.key_id or "", kind)
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):

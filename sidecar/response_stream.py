@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from . import errors
+from .cache import Entry, storable
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
 
 NAMESPACE = "model_router"
@@ -52,12 +53,24 @@ def silence_limit(idle_timeout_s: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class Store:
+    """Where the decision asked the answer to be kept (the response cache)."""
+
+    key: str
+    ttl_s: int
+    max_bytes: int
+    experiment: str  # empty outside experiments
+    variant: str
+
+
+@dataclass(frozen=True, slots=True)
 class Rewrite:
     """What the decision asked the response processor to do."""
 
     model: str | None  # the top-level model to write, None: leave it
     family: str
     strip_usage: bool  # remove the usage the router injected into a stream
+    store: Store | None = None  # keep the backend's answer in the response cache
     id_tag: str | None = None  # put before Responses API ids (sidecar.response_ids)
 
 
@@ -71,9 +84,21 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
     family = fields["family"].string_value if "family" in fields else "openai"
     tag = fields["id_tag"].string_value if "id_tag" in fields else ""
-    if not model and not strip and not tag:
+    store = _store_of(fields)
+    if not model and not strip and store is None and not tag:
         return None
-    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, tag or None)
+    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
+                   id_tag=tag or None)
+
+
+def _store_of(fields) -> Store | None:
+    if "cache_key" not in fields:
+        return None
+    text = {k: fields[k].string_value if k in fields else "" for k in ("cache_ttl_s", "cache_max_bytes", "experiment", "variant")}
+    if not text["cache_ttl_s"].isdigit() or not text["cache_max_bytes"].isdigit():
+        return None
+    return Store(fields["cache_key"].string_value, int(text["cache_ttl_s"]), int(text["cache_max_bytes"]),
+                 text["experiment"], text["variant"])
 
 
 def usage_metadata(usage: Usage) -> struct_pb2.Struct:
@@ -90,11 +115,13 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 class ResponseStream:
     """One response being rewritten: JSON bodies whole, SSE event by event."""
 
-    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished")
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished", "keeping", "kept")
 
     def __init__(self, plan: Rewrite) -> None:
         self.plan = plan
         self.duplex = False  # an event stream, whose body the sidecar sends back as its own
+        self.keeping: tuple[int, str, bytearray] | None = None  # status, content type, the backend's bytes so far
+        self.kept: Entry | None = None  # the whole answer, for the cache, once the stream is done
         self.rewriter: SSERewriter | None = None
         self.buffer: bytearray | None = None  # chunked JSON, held to its end
         self.buffered = False  # Envoy holds the headers and sends the whole body once
@@ -109,13 +136,18 @@ class ResponseStream:
         self.finished = True
         if not status.startswith("2") or encoding != "identity" or msg.end_of_stream:
             return resp
+        length = h.get("content-length")
+        store = self.plan.store
+        if store is not None and storable(h) and not (length is not None and (not length.isdigit() or int(length) > store.max_bytes)):
+            self.keeping = (int(status), h.get("content-type", "application/json"), bytearray())
+        elif self.plan.model is None and not self.plan.strip_usage and self.plan.id_tag is None:
+            return resp  # nothing to change and nothing to keep
         ctype = h.get("content-type", "").lower()
         if ctype.startswith("text/event-stream"):
             self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage,
                                         id_tag=self.plan.id_tag)
         elif "json" not in ctype:
             return resp
-        length = h.get("content-length")
         if length is None and self.rewriter is not None:
             self.duplex = True
             resp.mode_override.CopyFrom(_DUPLEX)
@@ -135,6 +167,8 @@ class ResponseStream:
 
     def body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         self.finished = msg.end_of_stream or self.buffered
+        if self.keeping is not None:
+            self._keep(msg.body)
         out, usage = self._rewrite(msg)
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
         if usage is not None and usage.seen:
@@ -201,6 +235,17 @@ class ResponseStream:
         streamed.body = (b"\n\n" if partial else b"") + event
         streamed.end_of_stream = True
         return resp
+
+    def _keep(self, chunk: bytes) -> None:
+        """Hold the backend's bytes (before any rename) up to the entry limit."""
+        assert self.keeping is not None and self.plan.store is not None
+        status, ctype, held = self.keeping
+        held += chunk
+        if len(held) > self.plan.store.max_bytes:
+            self.keeping = None
+        elif self.finished:
+            self.kept = Entry(status, ctype, bytes(held))
+            self.keeping = None
 
     def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
         """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""

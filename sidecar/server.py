@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import random
 import signal
 import sys
@@ -19,14 +18,20 @@ import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_token, experiments_diff, explain, listing, metrics, snapshot, workers
+from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, srm, workers
 from . import config as config_mod
+from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
+from .logs import DecisionLog
+from .logs import setup as setup_logging
 from .metering import AccessLogService, JsonLinesSink, Meter
+from .ratelimit_service import RateLimitService
+from .tracing import Tracer
 
 log = logging.getLogger("model_router.server")
 
@@ -55,6 +60,7 @@ class Runtime:
         # Each worker draws its own bound near the configured one, so they do not recycle together.
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
+        self.budgets = Budgets(lambda: self.snapshot)
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
@@ -130,7 +136,10 @@ class Runtime:
             raise config_mod.ConfigError([f"(root): {type(exc).__name__}"], loaded.warnings) from None
         return loaded
 
-    def reload(self) -> bool:
+    def reload(self, mark_seen: bool = False) -> bool:
+        """Load the file again; ``mark_seen``: the watcher need not reload this version."""
+        if mark_seen:
+            self._stamp = self._file_stamp()
         try:
             loaded = config_mod.load(self.path)
             new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
@@ -215,6 +224,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
     app.router.add_post("/admin/reload", reload_view)
     app.router.add_post("/admin/config", guarded(_dry_run))
     app.router.add_post("/admin/explain", guarded(_explain))
+    admin_config.add_routes(app, guarded)
     return app
 
 
@@ -246,8 +256,8 @@ def memory_report() -> dict:
 async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
     """``POST /admin/config?dry_run=1``: what a config would do to experiment assignments."""
     if request.query.get("dry_run") != "1":
-        return web.json_response({"error": "only dry runs are served: POST /admin/config?dry_run=1; the sidecar "
-                                           "applies a config when its file changes"}, status=400)
+        return web.json_response({"error": "POST /admin/config serves dry runs (?dry_run=1); "
+                                           "PUT /admin/config applies a config"}, status=400)
     try:
         text = (await request.read()).decode("utf-8")
     except web.HTTPRequestEntityTooLarge:
@@ -332,9 +342,13 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    meter = Meter(runtime.report_response, _SinkOf(runtime))
+    tracer = Tracer(lambda: runtime.snapshot.config.tracing)
+    sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
+    metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
+    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     try:
@@ -350,6 +364,7 @@ async def serve_async(
     if port == 0:
         raise SystemExit(f"error: cannot listen for gRPC on {grpc_listen} (address in use?)")
     await server.start()
+    tracer.start()
 
     runner = web.AppRunner(_admin_app(runtime), access_log=None)
     await runner.setup()
@@ -366,6 +381,7 @@ async def serve_async(
         metrics.WORKER_RESTARTS.labels(reason).set(n)
     runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
     await runtime.monitor.start()
+    runtime.budgets.start(time.time)
     runtime.ready = True
     await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
@@ -410,7 +426,9 @@ async def serve_async(
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
+    await tracer.close()
     await runtime.monitor.stop()
+    await runtime.budgets.stop(time.time())
     await runtime.close()
     await runner.cleanup()
 
@@ -427,11 +445,8 @@ async def _drain(server, processor: Processor, access_log: AccessLogService, gra
     await stopping
 
 
-def serve(config_path: str, **kwargs) -> None:
-    logging.basicConfig(
-        level=os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def serve(config_path: str, log_format: str | None = None, **kwargs) -> None:
+    setup_logging(log_format)
     try:
         import uvloop
 

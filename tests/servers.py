@@ -1,4 +1,5 @@
-"""Server binaries the tests start (Redis, Prometheus), and their installer.
+"""Server binaries the tests start (Redis, Prometheus), the tools they run
+(docker-compose renders the compose file without a daemon), and their installer.
 
 ``python -m tests.servers`` installs whichever of them is missing from Debian's
 packages; the README's test command runs it before pytest so a fresh machine
@@ -19,7 +20,8 @@ from pathlib import Path
 from sidecar.stack import free_port
 
 # binary -> the Debian package that ships it
-BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus"}
+BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
+            "docker-compose": "docker-compose"}
 
 
 def missing() -> dict[str, str]:
@@ -106,6 +108,92 @@ class RedisServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+@dataclass
+class PrometheusServer:
+    """One ``prometheus`` on a free loopback port scraping ``targets`` (job
+    ``model-router-sidecar``) every ``interval_s`` and evaluating ``rule_files``
+    as often, with its storage in ``workdir``."""
+
+    workdir: Path
+    targets: list[str]
+    rule_files: list[Path] = field(default_factory=list)
+    interval_s: float = 1.0
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> PrometheusServer:
+        import json
+
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise RuntimeError("prometheus is not installed: run `python -m tests.servers`")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        every = f"{int(self.interval_s * 1000)}ms"
+        config = {  # JSON is YAML
+            "global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
+            "rule_files": [str(Path(f).resolve()) for f in self.rule_files],
+            "scrape_configs": [{"job_name": "model-router-sidecar", "static_configs": [{"targets": self.targets}]}],
+        }
+        (self.workdir / "prometheus.yml").write_text(json.dumps(config), encoding="utf-8")
+        log = open(self.workdir / f"prometheus-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={self.workdir / 'prometheus.yml'}", f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}; see {log.name}")
+            if self._ready():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"prometheus was not ready within {timeout} s; see {log.name}")
+
+    def _ready(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant vector ``expr`` evaluates to now (``/api/v1/query``)."""
+        import json
+        import urllib.parse
+        import urllib.request
+
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.load(r)
+        if body.get("status") != "success":
+            raise RuntimeError(f"query {expr!r}: {body}")
+        return body["data"]["result"]
+
+    def get(self, path: str) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.load(r)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,6 @@ from sidecar.stack import envoy_binary
 
 CASES = {
     "envoy/ab-testing.yaml": ["--config", "sidecar/templates/ab-testing.yaml"],
-    "envoy/compose.yaml": [
-        "--config", "sidecar/templates/ab-testing.yaml", "--sidecar", "sidecar:50051",
-        "--backend-url", "pool-a=http://pool-a:8000", "--backend-url", "pool-b=http://pool-b:8000",
-        "--listen", "0.0.0.0:8080", "--admin-listen", "0.0.0.0:9901",
-    ],
 }
 
 

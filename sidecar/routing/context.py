@@ -76,6 +76,7 @@ class Request:
     states: Mapping[str, BackendView] = field(default_factory=dict)  # backend -> monitor state
     mono: float = 0.0  # monotonic clock, the monitor's time base
     trace: Trace | None = None  # filled by every stage when set (explain)
+    spent: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # token budgets: rule id -> (window, tokens)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Pure: no I/O, no clocks, no global state. The request path is a sequence of
 named stages: parse -> aliases and suffix -> key gate -> reservation ->
-experiment -> selection (over the fallback chain) -> plan.
+experiment -> selection (over the fallback chain) -> plan -> cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from ..body import BodyError, replace_field, replace_query_model, set_top_level
 from ..errors import Reply
 from ..response_ids import Owner
 from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
-from . import affinity, selection
+from . import affinity, attempts, limits, selection
+from .attempts import Hop
+from .cache_key import plan_cache
 from .context import Parsed, Request, parse, sticky_value
 from .reservation import reserved_by
 from .route import Fallback, ResponsePlan, Route, upstream_auth
@@ -56,6 +58,9 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     continues = _continues(snap, req, parsed)
     if isinstance(continues, Reply):
         return continues
+    limited = _limits(snap, req, client_model)
+    if isinstance(limited, Reply):
+        return limited
     plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens")
     target = _experiment(snap, req, parsed, client_model, requested, plan)
     if isinstance(target, Reply):
@@ -67,9 +72,60 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     chosen = _select(snap, req, parsed, target, requested, word, plan)
     if isinstance(chosen, Reply):
         return _attributed(chosen, plan)
+    upstream, backend, edits, hops = chosen
     if continues is not None:
-        chosen[2]["previous_response_id"] = continues[1]
-    return _build(snap, req, parsed, client_model, plan, *chosen)
+        edits["previous_response_id"] = continues[1]
+    route = _build(snap, req, parsed, client_model, plan, upstream, backend, edits)
+    if plan.id_tag is not None:
+        # The id handed back names the backend chosen here; a hop elsewhere
+        # would store the response where the id does not point.
+        hops = tuple(h for h in hops if h.backend == backend.name)
+    if hops:
+        route.hops = hops
+        plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
+    route.limits = limited
+    _cache(snap, req, parsed, route, edits, target)
+    return route
+
+
+def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Edits, target: _Target) -> None:
+    """The response cache's stage: the key of a cacheable request (the body
+    as the backend gets it: ``edits`` holds every field the route changed)."""
+    cfg = snap.config.cache
+    if cfg is None:
+        return
+    data = {**parsed.json, **edits} if parsed.json is not None else None
+    plan = route.plan
+    assert plan is not None
+    if plan.id_tag is not None or target.continues is not None:
+        # A stored response is state on its backend: a replay would hand a
+        # second caller the first one's response id.
+        if req.trace is not None:
+            req.trace.stage("cache", "not cached: a stored Responses API response", cached=False)
+        return
+    plan.cache, verdict = plan_cache(cfg, req, route, data, _sorted(target.allowed))
+    if req.trace is not None:
+        req.trace.stage("cache", verdict, cached=plan.cache is not None)
+
+
+def _limits(snap: Snapshot, req: Request, client_model: str) -> limits.LimitPlan | Reply | None:
+    """The limits on the client-facing model (for an experiment, every arm's):
+    the descriptor for Envoy's request rates, and the token budgets' verdict."""
+    key_id = req.caller.key.id if req.caller.key is not None else None
+    rules = limits.applicable(snap, client_model, key_id)
+    if not rules:
+        if req.trace is not None and snap.limits:
+            req.trace.stage("limits", f"none: no limit names '{client_model}'")
+        return None
+    verdict = limits.plan(rules, client_model, key_id, req.spent, req.now)
+    if req.trace is not None:
+        req.trace.stage(
+            "limits", f"refused: the token budget {verdict.rule.id} is spent" if isinstance(verdict, limits.BudgetState)
+            else f"under {', '.join(r.id for r in rules)}", rules=[r.id for r in rules],
+        )
+    if isinstance(verdict, limits.BudgetState):
+        return limits.refusal(verdict, client_model, req.ingress.family, req.now)
+    return verdict
 
 
 def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] | Reply | None:
@@ -86,7 +142,7 @@ def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
     """A refusal after an arm was chosen still counts on that arm."""
-    return replace(reply, meta=tuple(plan.metadata().items()))
+    return replace(reply, meta=reply.meta + tuple(plan.metadata().items()))
 
 
 def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | None]:
@@ -143,13 +199,19 @@ def _experiment(
         return _Target(client_model, allowed, may_fall_back=True)
     exp = info.config
     sticky = sticky_value(exp, req, parsed)
-    if req.trace is None:
+    caller = None
+    if sticky is not None and not is_blank(sticky):
+        caller = info.race.caller_key(info.prefix, sticky, exp.sticky_ttl, req.now)[0]
+    if req.trace is not None:
+        index = _traced_arm(req.trace, info, sticky, req)
+    elif caller is None:
         index = info.race.pick(info.prefix, sticky, exp.sticky_ttl, req.now, req.random_bytes)
     else:
-        index = _traced_arm(req.trace, info, sticky, req)
+        index = info.race.pick_key(caller)
     variant = exp.variants[index]
     plan.experiment, plan.variant = exp.name, variant.id
-    plan.assignment = "random" if is_blank(sticky) else "sticky"
+    plan.assignment = "random" if caller is None else "sticky"
+    plan.caller = None if caller is None else caller[:8].hex()
     plan.attribute = exp.response_headers
     plan.rewrite_model = client_model if exp.response_model == "client" else None
     plan.read_usage = req.ingress.usage
@@ -208,8 +270,9 @@ def _candidates(
 def _select(
     snap: Snapshot, req: Request, parsed: Parsed, target: _Target, requested: str, word: str | None,
     plan: ResponsePlan,
-) -> tuple[str, BackendInfo, Edits] | Reply:
-    """The first attempt, then the hops of the fallback chain: (model, backend, body edits)."""
+) -> tuple[str, BackendInfo, Edits, tuple[Hop, ...]] | Reply:
+    """The first attempt, then the hops of the fallback chain: (model, backend,
+    body edits, the hops to move to if that attempt fails upstream)."""
     family = req.ingress.family
     trace = req.trace
     rec = trace.attempt(target.model, "first") if trace is not None else None
@@ -235,18 +298,21 @@ def _select(
     first = selection.select(
         ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
     )
+    online = suffix is not None and suffix.online
+    may_fall_back = target.may_fall_back and not online
+    chain = fallback_hops(snap, target.model, model) if may_fall_back else []
     if first is not None:
         plan.suffix_applied = first.ranked or ranker is None
-        return model, first.backend, edits
-    online = suffix is not None and suffix.online
-    if target.may_fall_back and not online:
-        hop = _fall_back(snap, req, ctx, target, model, data)
+        plan.drop_effort = "reasoning_effort" in edits
+        return model, first.backend, edits, _retry_hops(snap, req, ctx, target, (target.model, first.backend), chain, parsed)
+    if may_fall_back:
+        hop = _fall_back(snap, req, ctx, target, chain, data)
         if hop is not None:
-            hop_model, backend = hop
+            at, hop_model, backend = hop
             # A hop dispatches another model: it inherits no suffix.
             plan.suffix_applied = suffix is None
             plan.fallback = Fallback(target.model, hop_model, "no_admissible_backend", hop_model not in snap.reserved)
-            return hop_model, backend, {}
+            return hop_model, backend, {}, _retry_hops(snap, req, ctx, target, (chain[at], backend), chain[at + 1:], parsed)
     elif trace is not None:
         trace.stage("fallback", "not tried: :online requests do not fall back" if online
                     else "not tried: the experiment's fallback is within_variant")
@@ -254,23 +320,60 @@ def _select(
 
 
 def _fall_back(
-    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, model: str, data: Edits,
-) -> tuple[str, BackendInfo] | None:
-    """The first hop of the chain with an admissible backend: (its model, the backend)."""
-    hops = fallback_hops(snap, target.model, model)
+    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, hops: list[str], data: Edits,
+) -> tuple[int, str, BackendInfo] | None:
+    """The first hop of the chain with an admissible backend: (its place in
+    the chain, its model, the backend)."""
     trace = req.trace
     served = None
-    for n, hop in enumerate(hops, 1):
-        rec = trace.attempt(hop, f"fallback hop {n}") if trace is not None else None
-        hop_model, hop_candidates = _candidates(snap, hop, target.allowed, rec)
-        chosen = selection.select(ctx, selection.Attempt(hop_model, hop_candidates, body=data), rec) if hop_candidates else None
+    for n, hop in enumerate(hops):
+        rec = trace.attempt(hop, f"fallback hop {n + 1}") if trace is not None else None
+        chosen = _hop_selection(snap, ctx, target, hop, data, rec)
         if chosen is not None:
-            served = hop_model, chosen.backend
+            served = n, chosen[0], chosen[1]
             break
     if trace is not None:
-        trace.stage("fallback", f"hop '{served[0]}' served" if served else (
+        trace.stage("fallback", f"hop '{served[1]}' served" if served else (
             "every hop failed" if hops else "no fallback chain"), chain=hops)
     return served
+
+
+def _hop_selection(
+    snap: Snapshot, ctx: selection.Context, target: _Target, hop: str, data: Edits, rec: AttemptTrace | None,
+    among: frozenset[str] | None = None,
+) -> tuple[str, BackendInfo] | None:
+    """One hop's selection: inside the request's allow-list (and ``among``),
+    no ranker, no preference: (the id it dispatches as, the backend) or None."""
+    hop_model, candidates = _candidates(snap, hop, target.allowed, rec)
+    if among is not None:
+        candidates = [b for b in candidates if b.name in among]
+    chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=data), rec) if candidates else None
+    return None if chosen is None else (hop_model, chosen.backend)
+
+
+def _retry_hops(
+    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, dispatched: tuple[str, BackendInfo],
+    chain: list[str], parsed: Parsed,
+) -> tuple[Hop, ...]:
+    """Where the request moves if the attempt ``dispatched`` (model, backend)
+    fails upstream: up to ``fallback_attempts`` of the following hops, each on
+    the backend its own selection picks now (hops with none admissible are
+    skipped), among the backends the bootstrap has clusters for. JSON bodies
+    only: the hop's filter rewrites ``model`` there."""
+    if parsed.json is None or not chain or dispatched[1].name not in attempts.hop_backends(snap, dispatched[0]):
+        return ()
+    out: list[Hop] = []
+    for hop in chain:
+        if len(out) == snap.config.fallback_attempts:
+            break
+        chosen = _hop_selection(snap, ctx, target, hop, parsed.json, None, attempts.hop_backends(snap, hop))
+        if chosen is not None:
+            out.append(Hop(hop, chosen[0], chosen[1].name))
+    if req.trace is not None and out:
+        req.trace.stage("retry_hops", "on an upstream failure: " + ", ".join(
+            f"'{h.upstream_model}' on {h.backend}" for h in out),
+            hops=[{"model": h.upstream_model, "backend": h.backend} for h in out])
+    return tuple(out)
 
 
 def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
@@ -278,10 +381,16 @@ def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
     origin is not reserved skips reserved hops, so ordinary routing never
     reaches a hidden arm's model."""
     chains = snap.config.fallback_chains
-    chain = chains.get(origin) or chains.get(dispatched) or []
-    if origin in snap.reserved or dispatched in snap.reserved:
-        return list(chain)
-    return [hop for hop in chain if reserved_by(snap, hop) is None]
+    if not chains:
+        return []
+
+    def compute() -> list[str]:
+        chain = chains.get(origin) or chains.get(dispatched) or []
+        if origin in snap.reserved or dispatched in snap.reserved:
+            return list(chain)
+        return [hop for hop in chain if reserved_by(snap, hop) is None]
+
+    return list(attempts.memo(snap, ("chain", origin, dispatched), compute))
 
 
 def _suffix_checks(
@@ -355,6 +464,13 @@ def _build(
 
 def _previous_id(parsed: Parsed) -> str:
     return str((parsed.json or {}).get("previous_response_id"))
+
+
+def _hop_path(route: Route, req: Request) -> str:
+    """The request's path without its backend's base path: a hop puts its own in front."""
+    path = route.path if route.path is not None else req.path
+    base = route.backend.base_path
+    return path[len(base):] if base and path.startswith(base) else path
 
 
 def _unsupported(requested: str, word: str, family: str) -> Reply:

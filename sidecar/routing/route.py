@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
 
 from ..snapshot import BackendInfo, Snapshot
+from .attempts import Hop, composite_cluster
+
+if TYPE_CHECKING:
+    from .limits import LimitPlan
 
 Meta = dict[str, "str | bool"]
 
@@ -22,17 +29,24 @@ class ResponsePlan:
     experiment: str | None = None
     variant: str | None = None
     assignment: str | None = None  # "sticky" | "random"
+    caller: str | None = None  # sticky only: the caller key's first 8 bytes, hex (the SRM sample's id)
     attribute: bool = False  # send x-continuum-experiment[-variant]
     suffix: str | None = None  # nitro | floor | thinking | online
     suffix_applied: bool = True
     fallback: Fallback | None = None
+    # For the hops a failed attempt moves to (set only when there are some):
+    chain_origin: str | None = None  # the model the fallback is counted from
+    hop_path: str | None = None  # the upstream path without the backend's base path
+    drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
+    cache: CachePlan | None = None
     id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
 
     @property
     def needs_response(self) -> bool:
-        """Whether the response body itself must change (the only reason the
-        sidecar sees a response)."""
-        return self.rewrite_model is not None or self.strip_injected_usage or self.id_tag is not None
+        """Whether the sidecar must see the response body: to change it, or
+        to store it in the response cache."""
+        return (self.rewrite_model is not None or self.strip_injected_usage or self.cache is not None
+                or self.id_tag is not None)
 
     def metadata(self) -> Meta:
         """The decision as Envoy dynamic metadata: read back by the access log
@@ -41,6 +55,8 @@ class ResponsePlan:
         m: Meta = {"kind": self.kind, "family": self.family}
         if self.experiment is not None:
             m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
+            if self.caller is not None:
+                m["caller"] = self.caller
             if self.attribute:
                 m.update(x_experiment=self.experiment, x_experiment_variant=self.variant or "")
         if self.suffix is not None:
@@ -56,7 +72,22 @@ class ResponsePlan:
             m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
             if self.id_tag is not None:
                 m["id_tag"] = self.id_tag
+        if self.cache is not None:
+            # The response processor stores the answer the client gets under this key.
+            m.update(cache_key=self.cache.key, cache_ttl_s=str(self.cache.ttl_s),
+                     cache_max_bytes=str(self.cache.max_entry_bytes),
+                     x_cache="miss" if self.cache.read else "bypass")
         return m
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """The response cache's part of a routed request's plan."""
+
+    key: str  # hex digest (sidecar.routing.cache_key)
+    read: bool  # look the key up first (False: the client sent cache-control: no-cache)
+    ttl_s: int
+    max_entry_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +96,7 @@ class Fallback:
 
     origin: str  # the model the request (or its arm) dispatches first
     served: str  # the hop's model
-    reason: str  # no_admissible_backend
+    reason: str  # no_admissible_backend (at selection) | upstream_error (after a failed attempt)
     announce: bool  # name the served model in a response header (never a reserved one)
 
 
@@ -79,10 +110,30 @@ class Route:
     set_headers: tuple[tuple[str, str], ...] = ()
     remove_headers: tuple[str, ...] = ()
     plan: ResponsePlan | None = None
+    limits: LimitPlan | None = None  # the limits the request falls under
+    hops: tuple[Hop, ...] = ()  # where a failed attempt moves to
+
+    @property
+    def cluster(self) -> str:
+        """The Envoy cluster the request goes to: its backend's, or the
+        composite of the backend and its hops."""
+        return composite_cluster(self.backend.name, self.hops) if self.hops else self.backend.name
 
     def metadata(self) -> Meta:
         m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
+        if self.limits is not None:
+            m.update(self.limits.metadata())
         m["backend"] = self.backend.name
+        if self.hops and self.plan is not None:
+            # For the hop filter, in one field (each field costs in every access-log entry):
+            # attempt n + 1 goes to hops[n - 1] = [backend, model].
+            plan = self.plan
+            m["retry"] = orjson.dumps({
+                "hops": [[h.backend, h.upstream_model] for h in self.hops], "origin": plan.chain_origin,
+                "path": plan.hop_path or "/", "drop_effort": plan.drop_effort,
+            }).decode()
+            if self.backend.api_key:
+                m["auth_replaced"] = True  # a hop without a key of its own removes this one
         if self.client_model:
             m.update(client_model=self.client_model, upstream_model=self.upstream_model)
         return m

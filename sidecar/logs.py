@@ -1,0 +1,119 @@
+"""The sidecar's log lines: text (the default) or one JSON object per line,
+and one line per request decision, made from its access-log entry.
+
+``serve --log-format json`` (or ``MODEL_ROUTER_LOG_FORMAT=json``) switches
+every line to JSON; ``MODEL_ROUTER_LOG_LEVEL`` sets the level. Decisions log
+at debug and refusals at info, from the entries Envoy sends after each
+request, so the request path does no logging work. A line names the key's
+``id``, never the key nor any header value.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from .metering import Entry
+
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+decisions = logging.getLogger("model_router.decisions")
+
+# Decision metadata key -> log field, in the order a line shows them.
+_FIELDS = (
+    ("request_id", "request_id"),
+    ("ingress", "ingress"),
+    ("key_id", "key_id"),
+    ("client_model", "client_model"),
+    ("experiment", "experiment"),
+    ("variant", "variant"),
+    ("assignment", "assignment"),
+    ("suffix", "suffix"),
+    ("upstream_model", "upstream_model"),
+    ("backend", "backend"),
+    ("fallback_from", "fallback_from"),
+    ("kind", "kind"),
+    ("refusal", "refusal"),
+)
+_REFUSALS = ("refusal", "shed")
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "msg", ...fields}``, one object per line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """The classic line, with a record's fields appended as ``key=value``."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return line
+
+
+def log_format(requested: str | None = None) -> str:
+    """The format asked for: the argument, else ``MODEL_ROUTER_LOG_FORMAT``, else text."""
+    fmt = (requested or os.environ.get("MODEL_ROUTER_LOG_FORMAT") or "text").strip().lower()
+    if fmt not in FORMATS:
+        raise SystemExit(f"error: log format {fmt!r} is not one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def setup(requested: str | None = None) -> None:
+    """Send every logger's lines to standard error in the chosen format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format(requested) == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO").upper())
+
+
+def decision_fields(entry: Entry) -> dict[str, Any]:
+    """What a decision's line says; pure."""
+    d = entry.decision
+    out: dict[str, Any] = {name: d[key] for key, name in _FIELDS if d.get(key) not in (None, "")}
+    out["status"] = entry.status
+    if entry.total_s is not None:
+        out["duration_ms"] = round(entry.total_s * 1000, 3)
+    if entry.prompt_tokens is not None:
+        out["prompt_tokens"] = entry.prompt_tokens
+    if entry.completion_tokens is not None:
+        out["completion_tokens"] = entry.completion_tokens
+    return out
+
+
+class DecisionLog:
+    """A metering observer: one line per request the sidecar decided."""
+
+    def observe(self, entry: Entry) -> None:
+        d = entry.decision
+        kind = d.get("kind")
+        if kind is None:
+            return  # Envoy answered without the sidecar
+        refused = bool(d.get("refusal")) or kind in _REFUSALS
+        level = logging.INFO if refused else logging.DEBUG
+        if decisions.isEnabledFor(level):
+            decisions.log(level, "refusal" if refused else "decision", extra={"fields": decision_fields(entry)})
