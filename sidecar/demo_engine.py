@@ -10,7 +10,9 @@ Served routes:
 * ``GET /health``, ``GET /metrics`` (vLLM metric names, or a page set through
   ``/_demo/state``), ``GET /v1/models``, ``GET /v1/models/{model}``
 * OpenAI: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
-  ``/v1/responses``, ``/v1/images/generations``, ``/v1/images/edits``
+  ``/v1/responses`` (buffered or streamed; stored responses can be retrieved,
+  deleted, cancelled and their input items listed: see :mod:`sidecar.demo_responses`),
+  ``/v1/images/generations``, ``/v1/images/edits``
 * Anthropic: ``POST /v1/messages``, ``/v1/messages/count_tokens``
 * Test hooks under ``/_demo/``: ``GET``/``DELETE /_demo/requests`` and
   ``POST /_demo/state``.
@@ -775,62 +777,6 @@ class _Engine:
             {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         )
 
-    async def responses(self, request: web.Request) -> web.Response:
-        body = self.body(request)
-        model = self.model(request, body.get("model"))
-        if body.get("stream"):
-            raise _Reject(self.openai_error(400, "the demo engine serves /v1/responses buffered only", param="stream"))
-        raw_input = body.get("input")
-        if isinstance(raw_input, str):
-            echo, input_text = raw_input, raw_input
-        else:
-            echo, input_text = _last_user_text(raw_input), _all_text(raw_input)
-        instructions = body.get("instructions")
-        if isinstance(instructions, str):
-            input_text = f"{instructions} {input_text}"
-        reasoning = body.get("reasoning")
-        effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
-        hooks: _Hooks = request[_PARSED].hooks
-        words = self.reply_words(model, echo, hooks, effort)
-        cap = _cap(body.get("max_output_tokens"))
-        input_tokens = max(_words(input_text), 1)
-        output_tokens = len(words) if cap is None else min(len(words), cap)
-        self.account(output_tokens)
-        seq = next(self.state.seq)
-        return _json_response(
-            {
-                "id": f"resp_demo{seq:08d}",
-                "object": "response",
-                "created_at": CREATED,
-                "status": "completed",
-                "model": model,
-                "output": [
-                    {
-                        "type": "message",
-                        "id": f"msg_demo{seq:08d}",
-                        "status": "completed",
-                        "role": "assistant",
-                        "content": [{"type": "output_text", "text": " ".join(words), "annotations": []}],
-                    }
-                ],
-                "usage": {
-                    "input_tokens": input_tokens,
-                    "input_tokens_details": {"cached_tokens": 0},
-                    "output_tokens": output_tokens,
-                    "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": input_tokens + output_tokens,
-                },
-                "error": None,
-                "incomplete_details": None,
-                "instructions": instructions,
-                "metadata": body.get("metadata") or {},
-                "parallel_tool_calls": True,
-                "tool_choice": "auto",
-                "tools": [],
-                "reasoning": {"effort": effort, "summary": None},
-            }
-        )
-
     def image_response(self, model: str, prompt: str, n: Any) -> web.Response:
         count = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
         revised = f"[{self.name}] {model}: {' '.join(prompt.split())[:ECHO_LIMIT]}".rstrip()
@@ -1001,7 +947,9 @@ def build_app(*, name: str, models: list[str], prices: dict | None = None) -> we
     app.router.add_post("/v1/chat/completions", engine.chat_completions)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_post("/v1/embeddings", engine.embeddings)
-    app.router.add_post("/v1/responses", engine.responses)
+    from .demo_responses import ResponsesAPI  # it builds on this module's helpers
+
+    ResponsesAPI(engine).routes(app)
     app.router.add_post("/v1/images/generations", engine.image_generations)
     app.router.add_post("/v1/images/edits", engine.image_edits)
     app.router.add_get("/v1/realtime", engine.realtime)

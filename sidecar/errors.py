@@ -15,7 +15,7 @@ Kind = Literal[
     "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
     "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
-    "gateway_timeout", "internal", "overloaded", "rate_limited",
+    "gateway_timeout", "internal", "overloaded", "rate_limited", "response_not_found", "previous_response_not_found",
 ]
 
 # kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
@@ -40,6 +40,9 @@ _KINDS: dict[Kind, tuple[int, str, str, str]] = {
     "internal": (500, "server_error", "internal_error", "api_error"),
     "overloaded": (503, "server_error", "router_overloaded", "overloaded_error"),
     "rate_limited": (429, "tokens", "rate_limit_exceeded", "rate_limit_error"),
+    # Responses API: a stored response the router cannot place.
+    "response_not_found": (404, "invalid_request_error", "response_not_found", "not_found_error"),
+    "previous_response_not_found": (400, "invalid_request_error", "previous_response_not_found", "invalid_request_error"),
 }
 # Kinds that pass by themselves soon: the reply says when to come back.
 _RETRY_AFTER: dict[Kind, str] = {"overloaded": "1", "no_backend": "1"}
@@ -92,3 +95,29 @@ def too_large(limit: int, family: str) -> Reply:
 def unsupported_encoding(encoding: str, family: str) -> Reply:
     """A body the router cannot read is a body it cannot judge."""
     return error("unsupported_encoding", f"Request bodies with content-encoding '{encoding}' are not accepted.", family)
+
+
+def response_not_found(response_id: str) -> Reply:
+    """A follow-up about a response the router cannot place: an id it did not
+    hand out, and (byte for byte) one whose owner the caller may not use."""
+    return error("response_not_found", f"Response with id '{response_id}' not found.")
+
+
+def previous_response_not_found(response_id: str) -> Reply:
+    """A create continuing a response the router cannot place (or the caller may not reach)."""
+    return error(
+        "previous_response_not_found", f"Previous response with id '{response_id}' not found.",
+        param="previous_response_id",
+    )
+
+
+def stream_error_event(kind: Kind, message: str, family: str) -> bytes:
+    """The last event of a stream the router ends itself: what each family's
+    SDK raises as an error (OpenAI: a ``data`` line holding ``error``, with no
+    ``[DONE]`` after it; Anthropic: an ``error`` event)."""
+    _, otype, code, atype = _KINDS[kind]
+    if family == "anthropic":
+        data = orjson.dumps({"type": "error", "error": {"type": atype, "message": message}})
+        return b"event: error\ndata: " + data + b"\n\n"
+    data = orjson.dumps({"error": {"message": message, "type": otype, "param": None, "code": code}})
+    return b"data: " + data + b"\n\n"

@@ -36,9 +36,17 @@ from .body import named_models
 from .cache import ResponseCache
 from .errors import Reply
 from .hop_stream import HopStream, is_hop
-from .ingress import canonical, family_for, lookup
+from .ingress import canonical, family_for, follow_up, lookup
 from .ingress import listing_path as listing_of
-from .response_stream import NAMESPACE, RESPONSE_HEADER, ResponseStream, header_map, rewrite_of, usage_metadata
+from .response_stream import (
+    NAMESPACE,
+    RESPONSE_HEADER,
+    ResponseStream,
+    header_map,
+    rewrite_of,
+    silence_limit,
+    usage_metadata,
+)
 from .rewrite import rewrite_json_body
 from .routing.trace import Trace
 from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
@@ -135,6 +143,28 @@ class _Stream:
         return out
 
 
+_SILENT = object()  # no message within the silence limit
+
+
+async def _next(messages, timeout: float | None):
+    """The next message from Envoy, None at the stream's end, or ``_SILENT``
+    when ``timeout`` seconds pass without one."""
+    if timeout is None:
+        try:
+            return await messages.__anext__()
+        except StopAsyncIteration:
+            return None
+    pending = asyncio.ensure_future(messages.__anext__())
+    done, _ = await asyncio.wait({pending}, timeout=timeout)
+    if not done:
+        pending.cancel()
+        return _SILENT
+    try:
+        return pending.result()
+    except StopAsyncIteration:
+        return None
+
+
 class Processor(pbg.ExternalProcessorServicer):
     def __init__(self, runtime) -> None:
         self.runtime = runtime
@@ -148,10 +178,19 @@ class Processor(pbg.ExternalProcessorServicer):
     async def Process(self, request_iterator, context):
         st = _Stream()
         response: ResponseStream | None = None
+        silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
+        messages = request_iterator.__aiter__()
         hop: HopStream | None = None
         self.in_flight += 1
         try:
-            async for req in request_iterator:
+            while True:
+                req = await _next(messages, silence if response is not None and response.watching else None)
+                if req is None:
+                    break
+                if req is _SILENT and response is not None:
+                    metrics.STREAMS_CUT.labels("idle").inc()
+                    yield response.cut(silence)
+                    return
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
                     if is_hop(req):  # a fallback attempt on a hop's cluster
@@ -204,7 +243,12 @@ class Processor(pbg.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    for resp in response.trailers() if response is not None else [
+                        pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    ]:
+                        yield resp
+                    if response is not None:
+                        return
         except Exception:
             metrics.STREAM_ERRORS.inc()
             log.exception("ext_proc stream failed")
@@ -243,6 +287,8 @@ class Processor(pbg.ExternalProcessorServicer):
         length = h.get("content-length")
         if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
+        if ingress is None and (about := follow_up(st.path)) is not None:
+            return self._follow_up(st, *about)
         if ingress is None:
             listing_path = listing_of(st.path)
             if listing_path is not None:
@@ -277,6 +323,14 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(route, st)
         metrics.DECISIONS.labels("passthrough").inc()
         return self._routed(st, route, phase)
+
+    def _follow_up(self, st: _Stream, response_id: str, about: str) -> pb.ProcessingResponse:
+        """A call about one stored response, routed by its id at the headers."""
+        route = routing.follow_up(st.snap, st.path, response_id, about, st.caller)
+        if isinstance(route, Reply):
+            return self._refuse(route, st)
+        metrics.DECISIONS.labels("follow_up").inc()
+        return self._routed(st, route, phase="headers")
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:

@@ -41,14 +41,19 @@ class Ingress:
     cacheable: bool = False
     # Other paths that name this endpoint.
     spellings: tuple[str, ...] = ()
+    # Responses API: the answer's response ids name the backend that stores it.
+    response_ids: bool = False
+    # Responses API: ``previous_response_id`` in the body names the backend to use.
+    continues: bool = False
 
 
 _ROWS = [
     Ingress("/v1/chat/completions", "openai", "json", "/v1/chat/completions", suffixes=True, cacheable=True),
     Ingress("/v1/completions", "openai", "json", "/v1/completions", cacheable=True),
     Ingress("/v1/embeddings", "openai", "json", "/v1/embeddings", cacheable=True),
-    Ingress("/v1/responses", "openai", "json", "/v1/responses", aliases=True, cacheable=True),
-    Ingress("/v1/responses/compact", "openai", "json", "/v1/responses/compact", aliases=True),
+    Ingress("/v1/responses", "openai", "json", "/v1/responses", aliases=True, cacheable=True,
+            response_ids=True, continues=True),
+    Ingress("/v1/responses/compact", "openai", "json", "/v1/responses/compact", aliases=True, continues=True),
     Ingress(
         "/anthropic/v1/messages", "anthropic", "json", "/v1/messages", aliases=True, cacheable=True,
         spellings=("/v1/messages",),
@@ -92,6 +97,26 @@ def listing_path(path: str) -> str | None:
         if low == prefix or low.startswith(prefix + "/"):
             return prefix + base[len(prefix):]
     return None
+
+
+# Calls about one stored response: /v1/responses/{id}[/cancel|/input_items].
+_RESPONSES = "/v1/responses/"
+_ABOUT = ("", "/cancel", "/input_items")
+
+
+def follow_up(path: str) -> tuple[str, str] | None:
+    """``(response id, what the call asks)`` of a (canonical) path about one
+    stored response, the second being ``""``, ``"/cancel"`` or
+    ``"/input_items"``; None for any other path. Call after :func:`lookup`,
+    whose rows (``/v1/responses/compact``) win."""
+    base = _base(path)
+    if base[: len(_RESPONSES)].lower() != _RESPONSES:
+        return None
+    rid, _, rest = base[len(_RESPONSES):].partition("/")
+    rest = "/" + rest.lower() if rest else ""
+    if not rid or rest not in _ABOUT:
+        return None
+    return rid, rest
 
 
 def family_for(path: str) -> Family:

@@ -14,7 +14,7 @@ import re
 
 import orjson
 
-__all__ = ["MODEL_KEY", "SCAN_ERRORS", "USAGE_KEY", "WS", "object_edits", "splice", "splice_lines", "string_end", "value_end"]
+__all__ = ["MODEL_KEY", "SCAN_ERRORS", "USAGE_KEY", "WS", "object_edits", "prefix_edits", "splice", "splice_lines", "string_end", "value_end"]
 
 WS = b" \t\r\n"
 _LITERAL_END = re.compile(rb"[,}\]\s]")
@@ -209,6 +209,21 @@ def object_edits(
         edits += _cut_members(data, members, cut)
     edits.sort()
     return edits
+
+
+def prefix_edits(data: bytes, keys: tuple[bytes, ...], parent: bytes | None, prefix: bytes) -> list[tuple[int, int, bytes]]:
+    """Edits that put ``prefix`` (text needing no escape) at the start of every
+    string value of the key literals ``keys``: at the top level of the object
+    ``data``, or inside its top-level object named by the key literal ``parent``."""
+    members = _members(data, data.index(b"{"))
+    if parent is not None:
+        inner = [m for m in members if data[m[2]] == 0x7B and _is_key(data, m[0], m[1], parent)]
+        members = [m2 for m in inner for m2 in _members(data, m[2])]
+    return [
+        (vs + 1, vs + 1, prefix)
+        for ks, ke, vs, _ in members
+        if data[vs] == 0x22 and any(_is_key(data, ks, ke, k) for k in keys)
+    ]
 
 
 def splice(data: bytes, edits, base: int = 0) -> bytes:

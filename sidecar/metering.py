@@ -137,8 +137,9 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "status": entry.status,
         "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
         "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
-        "prompt_tokens": entry.prompt_tokens,
-        "completion_tokens": entry.completion_tokens,
+        # A retrieved response repeats the usage of the create that was already counted.
+        "prompt_tokens": None if kind == "follow_up" else entry.prompt_tokens,
+        "completion_tokens": None if kind == "follow_up" else entry.completion_tokens,
     }
 
 
@@ -202,7 +203,7 @@ class Meter:
         d = e.decision
         kind = d.get("kind")
         backend = d.get("backend")
-        if kind in ("routed", "passthrough", "count_tokens") and backend and (e.status >= 500 or e.upstream_failed):
+        if kind in ("routed", "passthrough", "count_tokens", "follow_up") and backend and (e.status >= 500 or e.upstream_failed):
             self.report_failure(str(backend), e.status or None)
         suffix = d.get("suffix")
         if suffix and kind in _SERVED_KINDS:

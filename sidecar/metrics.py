@@ -240,3 +240,11 @@ def prime(config: Config) -> None:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):
                 VARIANT_REQUESTS.labels(suffix, applied)
+
+
+STREAMS_CUT = Counter(
+    "model_router_streams_cut_total",
+    "Event streams the router ended itself with an error event, by reason (idle: the upstream fell silent).",
+    ["reason"],
+    registry=REGISTRY,
+)

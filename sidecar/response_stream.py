@@ -21,6 +21,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from . import errors
 from .cache import Entry, storable
 from .rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
 
@@ -29,16 +30,26 @@ USAGE_NAMESPACE = "model_router_usage"
 RESPONSE_HEADER = "x-model-router-response"
 
 
-def _mode(response_body: int) -> pm.ProcessingMode:
+def _mode(response_body: int, trailers: int = pm.ProcessingMode.SKIP) -> pm.ProcessingMode:
     P = pm.ProcessingMode
     return P(
         request_header_mode=P.SKIP, request_body_mode=P.NONE, response_header_mode=P.SEND,
-        response_body_mode=response_body, request_trailer_mode=P.SKIP, response_trailer_mode=P.SKIP,
+        response_body_mode=response_body, request_trailer_mode=P.SKIP, response_trailer_mode=trailers,
     )
 
 
 _BUFFERED = _mode(pm.ProcessingMode.BUFFERED)  # a body of declared length: its new length goes with it
 _STREAMED = _mode(pm.ProcessingMode.STREAMED)
+# An event stream: the sidecar may also send body of its own, unasked, and end
+# the stream with it (a well-formed error event before Envoy's idle timer
+# would reset it). Envoy requires the trailers with this body mode.
+_DUPLEX = _mode(pm.ProcessingMode.FULL_DUPLEX_STREAMED, pm.ProcessingMode.SEND)
+
+
+def silence_limit(idle_timeout_s: float) -> float:
+    """How long an event stream may stay silent before the sidecar ends it: a
+    little less than Envoy's idle timeout, which would reset it instead."""
+    return idle_timeout_s - min(1.0, idle_timeout_s / 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +71,7 @@ class Rewrite:
     family: str
     strip_usage: bool  # remove the usage the router injected into a stream
     store: Store | None = None  # keep the backend's answer in the response cache
+    id_tag: str | None = None  # put before Responses API ids (sidecar.response_ids)
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -71,10 +83,12 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     model = fields["rewrite_model"].string_value if "rewrite_model" in fields else ""
     strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
     family = fields["family"].string_value if "family" in fields else "openai"
+    tag = fields["id_tag"].string_value if "id_tag" in fields else ""
     store = _store_of(fields)
-    if not model and not strip and store is None:
+    if not model and not strip and store is None and not tag:
         return None
-    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store)
+    return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
+                   id_tag=tag or None)
 
 
 def _store_of(fields) -> Store | None:
@@ -101,10 +115,11 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 class ResponseStream:
     """One response being rewritten: JSON bodies whole, SSE event by event."""
 
-    __slots__ = ("plan", "rewriter", "buffer", "buffered", "published", "finished", "keeping", "kept")
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished", "keeping", "kept")
 
     def __init__(self, plan: Rewrite) -> None:
         self.plan = plan
+        self.duplex = False  # an event stream, whose body the sidecar sends back as its own
         self.keeping: tuple[int, str, bytearray] | None = None  # status, content type, the backend's bytes so far
         self.kept: Entry | None = None  # the whole answer, for the cache, once the stream is done
         self.rewriter: SSERewriter | None = None
@@ -125,16 +140,19 @@ class ResponseStream:
         store = self.plan.store
         if store is not None and storable(h) and not (length is not None and (not length.isdigit() or int(length) > store.max_bytes)):
             self.keeping = (int(status), h.get("content-type", "application/json"), bytearray())
-        elif self.plan.model is None and not self.plan.strip_usage:
+        elif self.plan.model is None and not self.plan.strip_usage and self.plan.id_tag is None:
             return resp  # nothing to change and nothing to keep
         ctype = h.get("content-type", "").lower()
         if ctype.startswith("text/event-stream"):
-            self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage)
+            self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage,
+                                        id_tag=self.plan.id_tag)
         elif "json" not in ctype:
             return resp
-        if length is None:
-            if self.rewriter is None:
-                self.buffer = bytearray()
+        if length is None and self.rewriter is not None:
+            self.duplex = True
+            resp.mode_override.CopyFrom(_DUPLEX)
+        elif length is None:
+            self.buffer = bytearray()
             resp.mode_override.CopyFrom(_STREAMED)
         elif length.isdigit() and int(length) <= MAX_JSON_REWRITE:
             # Envoy ignores a removed content-length in STREAMED mode and answers a
@@ -163,6 +181,12 @@ class ResponseStream:
             if now != self.published:
                 self.published = now
                 resp.dynamic_metadata.CopyFrom(usage_metadata(usage))
+        if self.duplex:
+            # Envoy sends on only what comes back, changed or not.
+            streamed = resp.response_body.response.body_mutation.streamed_response
+            streamed.body = msg.body if out is None else out
+            streamed.end_of_stream = msg.end_of_stream
+            return resp
         if out is None or out == msg.body:
             return resp
         common = resp.response_body.response
@@ -174,6 +198,42 @@ class ResponseStream:
             opt = common.header_mutation.set_headers.add()
             opt.header.key = "content-length"
             opt.header.raw_value = str(len(out)).encode()
+        return resp
+
+    def trailers(self) -> list[pb.ProcessingResponse]:
+        """The response's trailers (asked for with an event stream): its end,
+        after what the rewriter still held."""
+        self.finished = True
+        out = []
+        rest = self.rewriter.finish() if self.rewriter is not None else b""
+        if rest and self.duplex:
+            resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
+            resp.response_body.response.body_mutation.streamed_response.body = rest
+            out.append(resp)
+        out.append(pb.ProcessingResponse(response_trailers=pb.TrailersResponse()))
+        return out
+
+    @property
+    def watching(self) -> bool:
+        """Whether the sidecar may still end this stream itself."""
+        return self.duplex and not self.finished
+
+    def cut(self, idle_s: float) -> pb.ProcessingResponse:
+        """End a silent event stream with an error event in its family's shape,
+        before Envoy's idle timer resets it (the client would get no error, only
+        a broken connection). An event held back incomplete is dropped: it
+        would not parse."""
+        self.finished = True
+        # Held bytes never left; an oversized event forwarded in part needs its end.
+        partial = self.rewriter is not None and self.rewriter.mid_event
+        event = errors.stream_error_event(
+            "gateway_timeout", f"The upstream sent nothing for {idle_s:g} seconds; the router ended the stream.",
+            self.plan.family,
+        )
+        resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
+        streamed = resp.response_body.response.body_mutation.streamed_response
+        streamed.body = (b"\n\n" if partial else b"") + event
+        streamed.end_of_stream = True
         return resp
 
     def _keep(self, chunk: bytes) -> None:
@@ -189,12 +249,12 @@ class ResponseStream:
 
     def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
         """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""
-        model, family = self.plan.model, self.plan.family
+        model, family, tag = self.plan.model, self.plan.family, self.plan.id_tag
         if self.buffered:
             if self.rewriter is not None:
                 out = self.rewriter.feed(msg.body) + self.rewriter.finish()
                 return out, self.rewriter.usage
-            return rewrite_json_body(msg.body, model, family)
+            return rewrite_json_body(msg.body, model, family, tag)
         if self.rewriter is not None:
             out = self.rewriter.feed(msg.body)
             if msg.end_of_stream:
@@ -208,7 +268,7 @@ class ResponseStream:
                 self.buffer = None
                 return out, None
             if msg.end_of_stream:
-                out, usage = rewrite_json_body(bytes(self.buffer), model, family)
+                out, usage = rewrite_json_body(bytes(self.buffer), model, family, tag)
                 self.buffer = None
                 return out, usage
             return b"", None

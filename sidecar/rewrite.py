@@ -42,6 +42,7 @@ from .jsonedit import (
     SCAN_ERRORS,
     USAGE_KEY,
     object_edits,
+    prefix_edits,
     splice,
     splice_lines,
 )
@@ -75,6 +76,8 @@ _CRLF = 1
 _LONE_CR = 2
 
 _RESPONSE = b'"response"'
+# A Responses API object's own id, and the one it continues.
+_ID_KEYS = (b'"id"', b'"previous_response_id"')
 _MESSAGE = b'"message"'
 
 
@@ -137,15 +140,19 @@ def loads(data: bytes) -> Any:
         return None
 
 
-def rewrite_json_body(body: bytes, model: str | None, family: str) -> tuple[bytes, Usage]:
+def rewrite_json_body(
+    body: bytes, model: str | None, family: str, id_tag: str | None = None,
+) -> tuple[bytes, Usage]:
     """Rewrite the top-level ``model`` of a complete JSON response and read its usage.
 
     When ``model`` is not ``None`` and the body is a JSON object whose
-    top-level ``model`` is a string different from ``model``, returns the
-    object re-serialised as compact JSON with ``model`` replaced. In every
-    other case (``model`` is ``None``, nothing to change, not a JSON object,
-    invalid JSON, body longer than :data:`MAX_JSON_REWRITE`) returns ``body``
-    itself.
+    top-level ``model`` is a string different from ``model``, that value is
+    replaced. When ``id_tag`` is not ``None`` and the body is a Responses API
+    object (top-level ``"object": "response"``), ``id_tag`` is put before its
+    ``id`` and ``previous_response_id`` (see :mod:`sidecar.response_ids`).
+    Every other byte is kept. In every other case (nothing to change, not a
+    JSON object, invalid JSON, body longer than :data:`MAX_JSON_REWRITE`)
+    returns ``body`` itself.
 
     Usage is read from the top-level ``usage`` object: ``prompt_tokens`` /
     ``completion_tokens`` or ``input_tokens`` / ``output_tokens`` for
@@ -167,13 +174,15 @@ def rewrite_json_body(body: bytes, model: str | None, family: str) -> tuple[byte
             _read_openai_usage(u, usage)
         else:
             _read_anthropic_usage(u, usage)
-    if model is None:
-        return body, usage
     current = obj.get("model")
-    if type(current) is not str or current == model:
+    rename = model is not None and type(current) is str and current != model
+    tag = id_tag is not None and obj.get("object") == "response"
+    if not (rename or tag):
         return body, usage
     try:
-        edits = object_edits(body, orjson.dumps(model), True, None, False)
+        edits = object_edits(body, orjson.dumps(model), True, None, False) if rename else []
+        if tag:
+            edits = sorted([*edits, *prefix_edits(body, _ID_KEYS, None, (id_tag or "").encode())])
     except SCAN_ERRORS:
         return body, usage
     return (splice(body, edits) if edits else body), usage
@@ -220,6 +229,10 @@ class SSERewriter:
     (``"usage"``, ``"model"``, ``"message_start"``, ``"message_delta"``)
     is parsed.
 
+    ``id_tag`` (``"openai"`` only): text put before ``response.id`` and
+    ``response.previous_response_id`` of Responses API events (see
+    :mod:`sidecar.response_ids`).
+
     ``max_line`` (default :data:`MAX_SSE_LINE`) bounds memory: an event
     whose content (everything before its blank line) is longer than this is
     forwarded unmodified, without being rewritten or read, as soon as that
@@ -231,6 +244,7 @@ class SSERewriter:
         "model",
         "family",
         "strip_injected_usage",
+        "id_tag",
         "max_line",
         "usage",
         "_openai",
@@ -252,12 +266,14 @@ class SSERewriter:
         family: str,
         *,
         strip_injected_usage: bool = False,
+        id_tag: str | None = None,
         max_line: int | None = None,
     ) -> None:
         _check_family(family)
         self.model = model
         self.family = family
         self.strip_injected_usage = strip_injected_usage and family == "openai"
+        self.id_tag = id_tag.encode() if id_tag is not None and family == "openai" else None
         self.max_line = MAX_SSE_LINE if max_line is None else max_line
         self.usage = Usage()
         self._openai = family == "openai"
@@ -276,6 +292,11 @@ class SSERewriter:
     def buffered(self) -> int:
         """Number of bytes currently held back (part of an incomplete event)."""
         return len(self._buf)
+
+    @property
+    def mid_event(self) -> bool:
+        """Whether part of an oversized event has been released without its end."""
+        return self._passthrough
 
     def feed(self, chunk: bytes) -> bytes:
         """Consume the next piece of the stream and return what can be released now.
@@ -455,7 +476,10 @@ class SSERewriter:
                 return content
 
         if self._openai:
-            if (self.model is None or data.find(MODEL_KEY) < 0) and data.find(USAGE_KEY) < 0:
+            if (
+                (self.model is None or data.find(MODEL_KEY) < 0) and data.find(USAGE_KEY) < 0
+                and (self.id_tag is None or data.find(_RESPONSE) < 0)
+            ):
                 return content
         elif data.find(b'"message_start"') < 0 and data.find(b'"message_delta"') < 0:
             return content
@@ -534,9 +558,12 @@ class SSERewriter:
             current = obj.get("model")
             top = type(current) is str and current != model
         resp = obj.get("response")
+        tag = None
         if type(resp) is dict:
             kind = obj.get("type")
             if type(kind) is str and kind.startswith("response."):
+                if self.id_tag is not None:
+                    tag = prefix_edits(data, _ID_KEYS, _RESPONSE, self.id_tag)
                 if model is not None:
                     current = resp.get("model")
                     if type(current) is str and current != model:
@@ -546,8 +573,10 @@ class SSERewriter:
                     _read_openai_usage(u, self.usage)
         if top or parent:
             value = self._value if self._value_of is model else self._encoded_model()
-            return object_edits(data, value, top, parent, cut_usage)
-        return object_edits(data, None, False, None, True) if cut_usage else ()
+            edits = object_edits(data, value, top, parent, cut_usage)
+        else:
+            edits = object_edits(data, None, False, None, True) if cut_usage else []
+        return sorted([*edits, *tag]) if tag else edits
 
     def _encoded_model(self) -> bytes:
         """``model`` as a JSON string, encoded once."""

@@ -290,6 +290,40 @@ def test_responses_api(engine: RunningEngine) -> None:
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
 
 
+def test_responses_are_stored_streamed_and_followed_up(engine: RunningEngine) -> None:
+    client = engine.openai()
+    first = client.responses.create(model="m-one", input="remember this")
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    items = client.responses.input_items.list(first.id)
+    assert [c.text for i in items.data for c in i.content] == ["remember this"]
+    with client.responses.create(model="m-one", input="and this", previous_response_id=first.id, stream=True) as s:
+        events = list(s)
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    done = events[-1].response
+    assert done.previous_response_id == first.id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.output_text
+    assert client.responses.retrieve(done.id).output_text == done.output_text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="m-one", input="x", previous_response_id="resp_nope")
+    assert bad.value.code == "previous_response_not_found"
+
+    queued = client.responses.create(model="m-one", input="later", background=True)
+    assert queued.status == "queued"
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(first.id)  # not a background response
+    later = client.responses.create(model="m-one", input="later", background=True)
+    assert client.responses.retrieve(later.id).status == "completed"
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(model="m-one", input="forget", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 # -------------------------------------------------------------------- Anthropic
 
 

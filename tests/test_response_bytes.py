@@ -17,6 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from sidecar.response_ids import Owner
+
 from .conftest import metric, wait_metric
 
 pytestmark = pytest.mark.integration
@@ -263,8 +265,14 @@ def test_injected_usage_is_cut_out_byte_for_byte(http, upstream):
     ],
 )
 def test_responses_and_anthropic_streams_keep_every_byte_but_the_model(http, path, script, raw):
+    """...and the Responses API's response ids, which name the backend that stores them."""
     r = post(http, path, script, {"model": "chat", "stream": True, "input": "hi", "max_tokens": 5, "messages": []})
-    assert r.content == raw.replace(UPSTREAM, CLIENT)
+    expected = raw.replace(UPSTREAM, CLIENT)
+    if path == "/v1/responses":
+        tagged = Owner("scripted", "chat", True).tag() + "resp_1"
+        expected = expected.replace(b'"resp_1"', b'"%s"' % tagged.encode())
+        assert expected.count(tagged.encode()) == 2
+    assert r.content == expected
 
 
 def test_injected_usage_is_counted_when_the_client_leaves_after_done(stack, http):

@@ -1,13 +1,15 @@
 """The request path's decisions, pure and free of gRPC: who calls, which model
 and arm, which backend, and what the answer must carry."""
 
+from .affinity import follow_up
 from .context import Caller, Request, authenticate, presented_key
-from .decide import decide, fallback_hops, reserved_by
+from .decide import decide, fallback_hops
 from .passthrough import passthrough
+from .reservation import reserved_by
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .selection import admissible
 
 __all__ = [
     "Caller", "Fallback", "Request", "ResponsePlan", "Route", "admissible", "authenticate", "decide",
-    "fallback_hops", "passthrough", "presented_key", "reserved_by", "upstream_auth",
+    "fallback_hops", "follow_up", "passthrough", "presented_key", "reserved_by", "upstream_auth",
 ]

@@ -14,11 +14,13 @@ from .. import errors
 from ..assignment import is_blank
 from ..body import BodyError, replace_field, replace_query_model, set_top_level
 from ..errors import Reply
+from ..response_ids import Owner
 from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
-from . import attempts, limits, selection
+from . import affinity, attempts, limits, selection
 from .attempts import Hop
 from .cache_key import plan_cache
 from .context import Parsed, Request, parse, sticky_value
+from .reservation import reserved_by
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .suffixes import SUFFIXES, Suffix, split, supported
 from .trace import AttemptTrace, Trace
@@ -33,6 +35,7 @@ class _Target:
     model: str  # the model to dispatch first
     allowed: set[str] | None  # backends the request may use (key allow-list, arm pin)
     may_fall_back: bool  # walk the model's fallback chain when it has no admissible backend
+    continues: tuple[str, str] | None = None  # (owner backend, engine's id) of previous_response_id
 
 
 def decide(snap: Snapshot, req: Request) -> Route | Reply:
@@ -52,6 +55,9 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     refusal = _key_gate(req, client_model, requested) or _reservation(snap, req, client_model, parsed.model)
     if refusal is not None:
         return refusal
+    continues = _continues(snap, req, parsed)
+    if isinstance(continues, Reply):
+        return continues
     limited = _limits(snap, req, client_model)
     if isinstance(limited, Reply):
         return limited
@@ -59,11 +65,21 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     target = _experiment(snap, req, parsed, client_model, requested, plan)
     if isinstance(target, Reply):
         return _attributed(target, plan)
+    if continues is not None:
+        owner = continues[0]
+        target.allowed = {owner} if target.allowed is None else target.allowed & {owner}
+        target.continues = continues
     chosen = _select(snap, req, parsed, target, requested, word, plan)
     if isinstance(chosen, Reply):
         return _attributed(chosen, plan)
     upstream, backend, edits, hops = chosen
+    if continues is not None:
+        edits["previous_response_id"] = continues[1]
     route = _build(snap, req, parsed, client_model, plan, upstream, backend, edits)
+    if plan.id_tag is not None:
+        # The id handed back names the backend chosen here; a hop elsewhere
+        # would store the response where the id does not point.
+        hops = tuple(h for h in hops if h.backend == backend.name)
     if hops:
         route.hops = hops
         plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
@@ -81,6 +97,12 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
     data = {**parsed.json, **edits} if parsed.json is not None else None
     plan = route.plan
     assert plan is not None
+    if plan.id_tag is not None or target.continues is not None:
+        # A stored response is state on its backend: a replay would hand a
+        # second caller the first one's response id.
+        if req.trace is not None:
+            req.trace.stage("cache", "not cached: a stored Responses API response", cached=False)
+        return
     plan.cache, verdict = plan_cache(cfg, req, route, data, _sorted(target.allowed))
     if req.trace is not None:
         req.trace.stage("cache", verdict, cached=plan.cache is not None)
@@ -104,6 +126,18 @@ def _limits(snap: Snapshot, req: Request, client_model: str) -> limits.LimitPlan
     if isinstance(verdict, limits.BudgetState):
         return limits.refusal(verdict, client_model, req.ingress.family, req.now)
     return verdict
+
+
+def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] | Reply | None:
+    """A create that continues a stored response goes where that response is."""
+    if not req.ingress.continues or parsed.json is None:
+        return None
+    found = affinity.continued(snap, req.caller, parsed.json)
+    if req.trace is not None and found is not None:
+        req.trace.stage("continues", "refused: previous_response_id names no response this caller can reach"
+                        if isinstance(found, Reply) else f"previous_response_id is held by backend '{found[0]}'",
+                        backend=None if isinstance(found, Reply) else found[0])
+    return found
 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
@@ -243,6 +277,9 @@ def _select(
     trace = req.trace
     rec = trace.attempt(target.model, "first") if trace is not None else None
     model, candidates = _candidates(snap, target.model, target.allowed, rec)
+    if not candidates and target.continues is not None:
+        # The response it continues is held where this model (or this caller) cannot go.
+        return errors.previous_response_not_found(_previous_id(parsed))
     if not candidates:
         if any(not snap.backends[n].internal for n in snap.resolve(target.model)[1]):
             return errors.model_not_permitted(requested, family)
@@ -416,11 +453,17 @@ def _build(
     target = chosen.base_path + ingress.upstream_path + ("?" + query if query else "")
     if target != req.path:
         new_path = target
+    if ingress.response_ids and (parsed.json or {}).get("store") is not False:
+        plan.id_tag = Owner(chosen.name, plan.rewrite_model or client_model, plan.rewrite_model is not None).tag()
     set_headers, remove_headers = upstream_auth(snap, chosen)
     return Route(
         backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
         set_headers=set_headers, remove_headers=remove_headers, plan=plan,
     )
+
+
+def _previous_id(parsed: Parsed) -> str:
+    return str((parsed.json or {}).get("previous_response_id"))
 
 
 def _hop_path(route: Route, req: Request) -> str:
@@ -436,14 +479,3 @@ def _unsupported(requested: str, word: str, family: str) -> Reply:
         f"The model '{requested}' is not available: the ':{word}' variant is not supported for this model.",
         family, param="model",
     )
-
-
-def reserved_by(snap: Snapshot, name: str) -> str | None:
-    """The hidden experiment that reserves ``name`` under any reading the
-    router or an engine may give it: as sent, through ``model_aliases``, or
-    as the base of a suffixed name."""
-    for candidate in (name, snap.aliases.get(name, name)):
-        exp = snap.reserved.get(candidate) or snap.reserved.get(candidate.rpartition(":")[0])
-        if exp is not None:
-            return exp
-    return None

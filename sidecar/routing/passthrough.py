@@ -6,7 +6,7 @@ from .. import errors
 from ..errors import Reply
 from ..snapshot import Snapshot
 from .context import Caller
-from .decide import reserved_by
+from .reservation import reserved_by
 from .route import Route, upstream_auth
 
 

@@ -22,7 +22,7 @@ class ResponsePlan:
     Envoy as dynamic metadata, and what (if anything) must change in it."""
 
     family: str
-    kind: str = "routed"  # routed | count_tokens (counted for tokens only)
+    kind: str = "routed"  # routed | count_tokens (counted for tokens only) | follow_up (about a stored response)
     rewrite_model: str | None = None  # top-level model to write into the response
     read_usage: bool = False  # the response's token usage is counted
     strip_injected_usage: bool = False
@@ -39,12 +39,14 @@ class ResponsePlan:
     hop_path: str | None = None  # the upstream path without the backend's base path
     drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
     cache: CachePlan | None = None
+    id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
 
     @property
     def needs_response(self) -> bool:
         """Whether the sidecar must see the response body: to change it, or
         to store it in the response cache."""
-        return self.rewrite_model is not None or self.strip_injected_usage or self.cache is not None
+        return (self.rewrite_model is not None or self.strip_injected_usage or self.cache is not None
+                or self.id_tag is not None)
 
     def metadata(self) -> Meta:
         """The decision as Envoy dynamic metadata: read back by the access log
@@ -68,6 +70,8 @@ class ResponsePlan:
                 m["x_fallback_model"] = self.fallback.served
         if self.needs_response:
             m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
+            if self.id_tag is not None:
+                m["id_tag"] = self.id_tag
         if self.cache is not None:
             # The response processor stores the answer the client gets under this key.
             m.update(cache_key=self.cache.key, cache_ttl_s=str(self.cache.ttl_s),

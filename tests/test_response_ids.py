@@ -1,0 +1,136 @@
+"""Response ids that name their owner, and the pure decisions that read them."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar import snapshot
+from sidecar.config import parse
+from sidecar.ingress import follow_up as follow_up_path
+from sidecar.response_ids import Owner, untag
+from sidecar.rewrite import rewrite_json_body
+from sidecar.routing import Caller, Route, decide, follow_up
+
+from .test_decide import refusal, req
+
+CONFIG = """
+backends:
+  - {name: a, url: "http://127.0.0.1:1/base", models: [m, m-a]}
+  - {name: b, url: "http://127.0.0.1:2", models: [m], api_key: sk-b}
+  - {name: hidden, url: "http://127.0.0.1:3", models: [m], internal: true}
+  - {name: retired, url: "http://127.0.0.1:4", models: [m], enabled: false}
+api_keys:
+  - {key: k-all, id: all}
+  - {key: k-a, id: a-only, allowed_backends: [a]}
+  - {key: k-ma, id: ma-only, allowed_models: [m-a]}
+model_experiments:
+  - name: secret
+    model: chat
+    response_model: client
+    hide_variant_models: true
+    variants: [{id: only, model: m-a, weight: 1, backends: [a]}]
+"""
+
+
+@pytest.fixture(scope="module")
+def snap():
+    return snapshot.build(parse(CONFIG, env={}).config)
+
+
+def caller(snap, key="k-all"):
+    return Caller(key, snap.keys[key])
+
+
+@given(st.text(min_size=1).filter(lambda s: "\0" not in s), st.text().filter(lambda s: "\0" not in s),
+       st.booleans(), st.text(min_size=1))
+def test_an_owner_round_trips_through_its_tag(backend, model, rewrite, upstream):
+    owner = Owner(backend, model, rewrite)
+    assert untag(owner.tag() + upstream) == (owner, upstream)
+
+
+@pytest.mark.parametrize("value", [
+    "", "resp_abc", "resp_mr1", "resp_mr1_", "resp_mr1abc_", "resp_mr1!!_x",
+    Owner("a", "m", False).tag(),  # no engine id after it
+    Owner("a", "m", False).tag().upper() + "x",  # another spelling of the same owner
+])
+def test_other_text_is_no_tag(value):
+    assert untag(value) is None
+
+
+def test_follow_up_paths():
+    assert follow_up_path("/v1/responses/resp_1") == ("resp_1", "")
+    assert follow_up_path("/v1/responses/resp_1/cancel") == ("resp_1", "/cancel")
+    assert follow_up_path("/v1/responses/resp_1/input_items?limit=2") == ("resp_1", "/input_items")
+    assert follow_up_path("/v1/responses/resp_1/") == ("resp_1", "")
+    assert follow_up_path("/v1/responses/resp_1/other") is None
+    assert follow_up_path("/v1/responses") is None
+    assert follow_up_path("/v1/chat/completions/x") is None
+
+
+def test_a_follow_up_goes_to_the_owner_with_its_credentials_and_the_create_s_names(snap):
+    rid = Owner("b", "m", False).tag() + "resp_up"
+    r = follow_up(snap, f"/v1/responses/{rid}/input_items?limit=2", rid, "/input_items", caller(snap))
+    assert isinstance(r, Route) and r.backend.name == "b"
+    assert r.path == "/v1/responses/resp_up/input_items?limit=2"
+    assert ("authorization", "Bearer sk-b") in r.set_headers
+    assert not r.plan.needs_response  # a list of items carries no response id
+    hidden = Owner("a", "chat", True).tag() + "resp_h"
+    r = follow_up(snap, f"/v1/responses/{hidden}", hidden, "", caller(snap))
+    assert r.path == "/base/v1/responses/resp_h"
+    assert (r.plan.id_tag, r.plan.rewrite_model, r.plan.kind) == (Owner("a", "chat", True).tag(), "chat", "follow_up")
+
+
+@pytest.mark.parametrize("owner, key", [
+    (Owner("hidden", "m", False), "k-all"),  # internal
+    (Owner("retired", "m", False), "k-all"),  # disabled
+    (Owner("gone", "m", False), "k-all"),  # unknown
+    (Owner("b", "m", False), "k-a"),  # outside the key's allowed_backends
+    (Owner("a", "m", False), "k-ma"),  # outside the key's allowed_models
+    (Owner("a", "m-a", False), "k-all"),  # a reserved model
+])
+def test_every_refused_follow_up_is_the_unknown_id_answer(snap, owner, key):
+    rid = owner.tag() + "resp_up"
+    got = refusal(follow_up(snap, f"/v1/responses/{rid}", rid, "", caller(snap, key)))
+    unknown = refusal(follow_up(snap, "/v1/responses/resp_up", "resp_up", "", caller(snap, key)))
+    assert got[0] == unknown[0] == 404
+    assert orjson.dumps(got[1]).replace(rid.encode(), b"ID") == orjson.dumps(unknown[1]).replace(b"resp_up", b"ID")
+
+
+def test_a_continuing_create_goes_to_the_owner_with_the_engine_s_id(snap):
+    rid = Owner("b", "m", False).tag() + "resp_up"
+    for n in range(4):  # whatever the round-robin counter says
+        r = decide(snap, req("/v1/responses", {"model": "m", "input": "x", "previous_response_id": rid},
+                             snap=snap, pick=n))
+        assert r.backend.name == "b"
+        assert orjson.loads(r.body)["previous_response_id"] == "resp_up"
+        assert r.plan.id_tag == Owner("b", "m", False).tag()
+
+
+@pytest.mark.parametrize("owner, model, key", [
+    (Owner("b", "m", False), "m", "k-a"),  # the key may not use the owner
+    (Owner("b", "m", False), "chat", "k-all"),  # the arm is pinned elsewhere
+    (Owner("hidden", "m", False), "m", "k-all"),
+])
+def test_a_continuation_the_caller_cannot_reach_is_previous_not_found(snap, owner, model, key):
+    rid = owner.tag() + "resp_up"
+    status, body = refusal(decide(snap, req("/v1/responses", {"model": model, "input": "x",
+                                                              "previous_response_id": rid}, key=key, snap=snap)))
+    assert (status, body["error"]["code"], body["error"]["param"]) == (
+        400, "previous_response_not_found", "previous_response_id")
+
+
+def test_an_unstored_create_is_not_tagged(snap):
+    r = decide(snap, req("/v1/responses", {"model": "m", "input": "x", "store": False}, snap=snap))
+    assert r.plan is not None and r.plan.id_tag is None and not r.plan.needs_response
+
+
+def test_json_bodies_get_the_tag_on_response_objects_only():
+    tag = "resp_mr1t_"
+    out, _ = rewrite_json_body(b'{"id": "resp_1", "object": "response", "deleted": true}', None, "openai", tag)
+    assert out == b'{"id": "resp_mr1t_resp_1", "object": "response", "deleted": true}'
+    items = b'{"object": "list", "data": [{"id": "msg_1"}], "first_id": "msg_1"}'
+    assert rewrite_json_body(items, None, "openai", tag)[0] == items
+

@@ -1,0 +1,211 @@
+"""Responses API follow-ups reach the backend that stores the response.
+
+Through real Envoy with the official openai SDK, on a model two demo engines
+serve round robin: every retrieve, delete, cancel, input-items listing and
+``previous_response_id`` create must land on the engine that created the
+response (the engines' request logs show where each call went), and ids the
+router did not hand out, or whose owner the caller may not use, get the
+Responses API's 404 without reaching any engine.
+"""
+
+from __future__ import annotations
+
+import openai
+import orjson
+import pytest
+
+from sidecar.response_ids import Owner, untag
+
+from .conftest import clear_demo_requests, demo_requests, envoy_stat
+
+CONFIG = """
+metering: {flush_interval_ms: 100}
+backends:
+  - {name: east, url: "demo://", models: [gpt-r, hidden-r]}
+  - {name: west, url: "demo://", models: [gpt-r, hidden-r]}
+  - {name: vault, url: "demo://", models: [gpt-r], internal: true}
+model_experiments:
+  - name: hide
+    model: smart
+    response_model: client
+    hide_variant_models: true
+    variants: [{id: only, model: hidden-r, weight: 1}]
+api_keys:
+  - {key: sk-all, id: all}
+  - {key: sk-east, id: east-only, allowed_backends: [east]}
+  - {key: sk-other, id: other-model, allowed_models: [other]}
+"""
+ENGINES = ("east", "west", "vault")
+ROUNDS = 8  # round robin over two engines: a wrong choice shows within two
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    return stack_factory(CONFIG)
+
+
+def sdk(stack, key: str = "sk-all") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def owner_of(response_id: str) -> tuple[str, str]:
+    """(backend, the engine's own id) of an id the router handed out."""
+    found = untag(response_id)
+    assert found is not None, f"not a router id: {response_id}"
+    return found[0].backend, found[1]
+
+
+def follow_ups(stack) -> dict[str, list[dict]]:
+    """Each engine's requests about stored responses (and creates that continue one)."""
+    out = {}
+    for name in ENGINES:
+        out[name] = [
+            r for r in demo_requests(stack, name)
+            if r["path"].startswith("/v1/responses/") or (r["json"] or {}).get("previous_response_id")
+        ]
+    return out
+
+
+def not_found(rid: str) -> dict:
+    return {"error": {"message": f"Response with id '{rid}' not found.", "type": "invalid_request_error",
+                      "param": None, "code": "response_not_found"}}
+
+
+def test_every_follow_up_reaches_the_engine_that_created_the_response(stack):
+    clear_demo_requests(stack)
+    client = sdk(stack)
+    created: dict[str, set[str]] = {"east": set(), "west": set()}
+    firsts = [client.responses.create(model="gpt-r", input=f"turn {i}") for i in range(ROUNDS)]
+    for i, first in enumerate(firsts):
+        backend, upstream = owner_of(first.id)
+        assert first.output_text.startswith(f"[{backend}] gpt-r: turn {i}")
+        created[backend].add(upstream)
+
+        again = client.responses.retrieve(first.id)
+        assert (again.id, again.output_text) == (first.id, first.output_text)
+        items = client.responses.input_items.list(first.id)
+        assert [c.text for item in items.data for c in item.content] == [f"turn {i}"]
+
+        second = client.responses.create(model="gpt-r", input="go on", previous_response_id=first.id)
+        assert second.previous_response_id == first.id  # the engine's echo, tagged again
+        assert owner_of(second.id)[0] == backend
+        assert second.output_text.startswith(f"[{backend}] gpt-r: go on")
+        created[backend].add(owner_of(second.id)[1])
+
+        client.responses.delete(second.id)
+        with pytest.raises(openai.NotFoundError):  # the owner's own 404: it is gone there
+            client.responses.retrieve(second.id)
+    assert created["east"] and created["west"], "round robin should have used both engines"
+
+    seen = follow_ups(stack)
+    assert seen["vault"] == []
+    for name in ("east", "west"):
+        # input_items, retrieve x2, delete, and the continuing create, per response the engine made.
+        assert len(seen[name]) == 5 * len(created[name]) // 2
+        for r in seen[name]:
+            upstream = r["json"]["previous_response_id"] if r["method"] == "POST" else r["path"].split("/")[3]
+            assert upstream in created[name], f"{r['method']} {r['path']} reached {name}, not the owner"
+
+
+def test_a_streamed_create_hands_out_the_owner_in_every_event(stack):
+    clear_demo_requests(stack)
+    client = sdk(stack)
+    owners = set()
+    for _ in range(4):
+        with client.responses.create(model="gpt-r", input="stream me", stream=True) as events:
+            lifecycle = [e for e in events if hasattr(e, "response")]
+        ids = {e.response.id for e in lifecycle}
+        assert len(ids) == 1 and len(lifecycle) == 3  # created, in_progress, completed
+        rid = ids.pop()
+        backend, upstream = owner_of(rid)
+        owners.add(backend)
+        done = lifecycle[-1].response
+        assert client.responses.retrieve(rid).output_text == done.output_text
+        assert [r["path"] for r in follow_ups(stack)[backend]][-1] == f"/v1/responses/{upstream}"
+    assert owners == {"east", "west"}
+
+
+def test_cancel_reaches_the_owner(stack):
+    client = sdk(stack)
+    for _ in range(2):
+        queued = client.responses.create(model="gpt-r", input="later", background=True)
+        assert queued.status == "queued"
+        backend, upstream = owner_of(queued.id)
+        cancelled = client.responses.cancel(queued.id)
+        assert (cancelled.id, cancelled.status) == (queued.id, "cancelled")
+        assert client.responses.retrieve(queued.id).status == "cancelled"
+        paths = [r["path"] for r in follow_ups(stack)[backend]]
+        assert f"/v1/responses/{upstream}/cancel" in paths
+
+
+def test_a_hidden_arm_stays_hidden_on_retrieve(stack):
+    client = sdk(stack)
+    r = client.responses.create(model="smart", input="who are you")
+    assert r.model == "smart"
+    owner = untag(r.id)[0]
+    assert (owner.model, owner.rewrite) == ("smart", True)
+    got = client.responses.retrieve(r.id)
+    assert got.model == "smart" and got.output_text == r.output_text
+    with client.responses.create(model="smart", input="more", previous_response_id=r.id, stream=True) as events:
+        models = {e.response.model for e in events if hasattr(e, "response")}
+    assert models == {"smart"}
+
+
+def test_unknown_and_forged_ids_get_the_responses_404_and_reach_no_engine(stack):
+    client = sdk(stack)
+    real = client.responses.create(model="gpt-r", input="mine")
+    backend, upstream = owner_of(real.id)
+    clear_demo_requests(stack)
+    forged = [
+        "resp_abc123",  # never handed out by the router
+        upstream,  # the engine's own id, without the tag
+        Owner("vault", "gpt-r", False).tag() + upstream,  # an internal backend
+        Owner("nowhere", "gpt-r", False).tag() + upstream,  # no such backend
+        Owner(backend, "hidden-r", False).tag() + upstream,  # a reserved model
+        "resp_mr1" + "!!!!_" + upstream,  # a broken tag
+        real.id.replace("resp_mr1", "resp_mr1" + "a", 1),  # a tag that does not decode to one spelling
+    ]
+    for rid in forged:
+        for call in (client.responses.retrieve, client.responses.cancel, client.responses.input_items.list):
+            with pytest.raises(openai.NotFoundError) as info:
+                call(rid)
+            assert orjson.loads(info.value.response.content) == not_found(rid)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.responses.create(model="gpt-r", input="x", previous_response_id=rid)
+        assert bad.value.code == "previous_response_not_found"
+    assert all(demo_requests(stack, name) == [] for name in ENGINES)
+
+
+def test_a_key_that_may_not_use_the_owner_is_refused_like_an_unknown_id(stack):
+    everyone = sdk(stack)
+    west = next(r for r in (everyone.responses.create(model="gpt-r", input="w") for _ in range(4))
+                if owner_of(r.id)[0] == "west")
+    clear_demo_requests(stack)
+    for key in ("sk-east", "sk-other"):  # allowed_backends without west; allowed_models without gpt-r
+        limited = sdk(stack, key)
+        with pytest.raises(openai.NotFoundError) as info:
+            limited.responses.retrieve(west.id)
+        assert orjson.loads(info.value.response.content) == not_found(west.id)
+        with pytest.raises(openai.NotFoundError):
+            limited.responses.delete(west.id)
+    east_only = sdk(stack, "sk-east")
+    with pytest.raises(openai.BadRequestError) as bad:
+        east_only.responses.create(model="gpt-r", input="x", previous_response_id=west.id)
+    assert bad.value.code == "previous_response_not_found"
+    assert demo_requests(stack, "west") == [] and demo_requests(stack, "east") == []
+    # Its own responses (all on east) it follows up as usual.
+    own = east_only.responses.create(model="gpt-r", input="e")
+    assert owner_of(own.id)[0] == "east"
+    assert east_only.responses.retrieve(own.id).output_text == own.output_text
+
+
+def test_follow_ups_cost_one_ext_proc_message_plus_the_rewrite_of_their_answer(stack):
+    """Decided at the request headers. An input items listing needs nothing
+    from its answer; a retrieve's answer gets its id tagged (headers and body)."""
+    client = sdk(stack)
+    r = client.responses.create(model="gpt-r", input="count")
+    for call, cost in ((client.responses.input_items.list, 1), (client.responses.retrieve, 3)):
+        before = envoy_stat(stack, "stream_msgs_sent")  # the request and the response processors
+        for _ in range(3):
+            call(r.id)
+        assert envoy_stat(stack, "stream_msgs_sent") - before == 3 * cost
