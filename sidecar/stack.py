@@ -184,6 +184,11 @@ class Stack:
                     for m in b.models or ["demo-model"]:
                         argv += ["--model", m]
                     self._spawn(f"demo-{b.name}", argv)
+            deadline = time.monotonic() + timeout
+            # The sidecar's monitor marks a backend whose first probe fails down
+            # until its next probe: the engines answer before the sidecar starts.
+            for name, url in self.demo_urls.items():
+                self._wait_http(f"demo-{name}", url + "/health", deadline)
             if self.supervised:
                 argv = self.sidecar_argv(0)
                 argv[argv.index("--workers") + 1] = str(self.sidecars)
@@ -197,14 +202,11 @@ class Stack:
             )
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoyconf.render(boot))
-            deadline = time.monotonic() + timeout
             # Envoy health-checks the sidecars: started after them, it finds them serving.
             for i, admin in enumerate(self.sidecar_admin):
                 name = "sidecar-supervisor" if self.supervised else f"sidecar-{i}"
                 self._wait_http(name, f"http://{admin}/readyz", deadline)
             self._start_envoy(envoy_yaml)
-            for name, url in self.demo_urls.items():
-                self._wait_http(f"demo-{name}", url + "/health", deadline)
             self._wait_http("envoy", f"http://{self.envoy_admin}/ready", deadline)
             self._wait_tcp("envoy", self.listen, deadline)
             self.wait_envoy_sees_sidecars(self.sidecar_grpc, deadline)
