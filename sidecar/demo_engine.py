@@ -42,6 +42,10 @@ Request headers that shape a reply on any ``/v1/`` route:
 * ``x-demo-crlf: 1``: streamed events use ``\\r\\n`` line endings.
 
 Every response to a ``/v1/`` route carries an ``x-demo-engine: <name>`` header.
+
+Chat Completions and Messages requests with ``tools``, ``response_format``,
+``n`` or ``logprobs`` get tool calls, schema-shaped JSON, ``n`` choices and
+logprobs planned by :mod:`sidecar.demo_shapes` (see docs/demo-engine.md).
 """
 
 from __future__ import annotations

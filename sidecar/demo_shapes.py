@@ -161,7 +161,7 @@ class _Generator:
 
     def array(self, schema: dict[str, Any], hint: str, depth: int) -> list[Any]:
         prefix = [s for s in schema.get("prefixItems") or [] if isinstance(s, dict)]
-        low = _int(schema.get("minItems"), 0)
+        low = _int(schema.get("minItems"), 0) or 0
         high = _int(schema.get("maxItems"), None)
         count = max(low, len(prefix), 0 if depth >= MAX_DEPTH else 1)
         if high is not None:
@@ -305,7 +305,8 @@ def anthropic_tool(body: dict[str, Any]) -> tuple[str, Any] | None:
     """
     tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and isinstance(t.get("name"), str)]
     client = [t for t in tools if isinstance(t.get("input_schema"), dict)]
-    choice = body.get("tool_choice") if isinstance(body.get("tool_choice"), dict) else {"type": "auto"}
+    raw = body.get("tool_choice")
+    choice: dict[str, Any] = raw if isinstance(raw, dict) else {"type": "auto"}
     kind = choice.get("type")
     if not client or kind == "none":
         return None
@@ -342,7 +343,9 @@ def _response_json(body: dict[str, Any], words: list[str]) -> str | None:
     if fmt.get("type") == "json_object":
         return orjson.dumps({"answer": " ".join(words)}).decode()
     if fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            spec = {}
         return orjson.dumps(schema_instance(spec.get("schema") or {})).decode()
     return None
 
@@ -434,7 +437,9 @@ def chat_choice(index: int, reply: Reply, body: dict[str, Any], seq: str) -> dic
             "id": _call_id(index, seq), "type": "function",
             "function": {"name": reply.tool_call.name, "arguments": reply.tool_call.arguments},
         }]
-    logprobs = chat_logprobs(reply.pieces, body.get("top_logprobs")) if body.get("logprobs") else None
+    logprobs = None
+    if body.get("logprobs"):  # a tool call's arguments carry no content logprobs
+        logprobs = chat_logprobs(reply.pieces if reply.tool_call is None else [], body.get("top_logprobs"))
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": _finish(reply)}
 
 
