@@ -38,6 +38,7 @@ __all__ = [
     "chat_replies",
     "choice_count",
     "completion_logprobs",
+    "format_json",
     "json_pieces",
     "openai_tool",
     "schema_instance",
@@ -336,8 +337,13 @@ def json_pieces(text: str, size: int = 8) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
-def _response_json(body: dict[str, Any], words: list[str]) -> str | None:
-    fmt = body.get("response_format")
+def format_json(fmt: Any, words: list[str]) -> str | None:
+    """The JSON text a ``response_format`` (or Responses ``text.format``) asks for, or None.
+
+    ``json_object`` gives ``{"answer": <text>}``; ``json_schema`` a value of
+    its schema, nested under ``json_schema`` (Chat Completions) or inline
+    (Responses API).
+    """
     if not isinstance(fmt, dict):
         return None
     if fmt.get("type") == "json_object":
@@ -345,7 +351,7 @@ def _response_json(body: dict[str, Any], words: list[str]) -> str | None:
     if fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
-            spec = {}
+            spec = fmt
         return orjson.dumps(schema_instance(spec.get("schema") or {})).decode()
     return None
 
@@ -358,7 +364,7 @@ def chat_replies(body: dict[str, Any], words: list[str]) -> list[Reply]:
         arguments = orjson.dumps(schema_instance(tool[1])).decode()
         call = ToolCall(tool[0], arguments)
         return [Reply(None, call, json_pieces(arguments)) for _ in range(count)]
-    text = _response_json(body, words)
+    text = format_json(body.get("response_format"), words)
     if text is not None:
         return [Reply(text, None, json_pieces(text)) for _ in range(count)]
     replies = []

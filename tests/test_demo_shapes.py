@@ -292,3 +292,10 @@ def test_anthropic_stream_usage_has_input_tokens(stack):
     delta = next(e for e in events if e.type == "message_delta")
     assert delta.usage.input_tokens == final.usage.input_tokens > 0
     assert final.usage.output_tokens > 0 and final.stop_reason == "end_turn"
+
+
+def test_responses_parse_returns_a_pydantic_object(stack):
+    r = stack.oa.responses.parse(model="demo-model", input="plan an event", text_format=Event)
+    assert isinstance(r.output_parsed, Event) and 10 <= r.output_parsed.capacity <= 20
+    plain = stack.oa.responses.create(model="demo-model", input="plan an event")
+    assert plain.output_text.startswith("[local] demo-model:")
