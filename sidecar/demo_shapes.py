@@ -127,7 +127,7 @@ class _Generator:
         if isinstance(schema.get("enum"), list) and schema["enum"]:
             return schema["enum"][0]
         for key in ("anyOf", "oneOf"):
-            branches = [b for b in schema.get(key) or [] if isinstance(b, dict)]
+            branches = [b for b in _list(schema.get(key)) if isinstance(b, dict)]
             if branches:
                 if depth >= MAX_DEPTH and any(b.get("type") == "null" for b in branches):
                     return None
@@ -152,7 +152,7 @@ class _Generator:
         props = schema.get("properties")
         if not isinstance(props, dict):
             return {}
-        required = set(schema.get("required") or [])
+        required = {r for r in _list(schema.get("required")) if isinstance(r, str)}
         out: dict[str, Any] = {}
         for name, sub in props.items():
             if depth >= MAX_DEPTH and name not in required:
@@ -161,7 +161,7 @@ class _Generator:
         return out
 
     def array(self, schema: dict[str, Any], hint: str, depth: int) -> list[Any]:
-        prefix = [s for s in schema.get("prefixItems") or [] if isinstance(s, dict)]
+        prefix = [s for s in _list(schema.get("prefixItems")) if isinstance(s, dict)]
         low = _int(schema.get("minItems"), 0) or 0
         high = _int(schema.get("maxItems"), None)
         count = max(low, len(prefix), 0 if depth >= MAX_DEPTH else 1)
@@ -174,13 +174,17 @@ class _Generator:
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``over`` on top of ``base``, with their ``properties`` and ``required`` combined."""
     out = {**base, **over}
-    props = {**(base.get("properties") or {}), **(over.get("properties") or {})}
+    props = {**_dict(base.get("properties")), **_dict(over.get("properties"))}
     if props:
         out["properties"] = props
-    required = [*(base.get("required") or []), *(over.get("required") or [])]
+    required = [r for r in [*_list(base.get("required")), *_list(over.get("required"))] if isinstance(r, str)]
     if required:
         out["required"] = list(dict.fromkeys(required))
     return out
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _type_of(schema: dict[str, Any]) -> str:
@@ -261,6 +265,10 @@ def _string(schema: dict[str, Any], hint: str) -> str:
 # -------------------------------------------------------------------- tools
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _last_role_is_tool_result(messages: Any) -> bool:
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
         return False
@@ -279,13 +287,13 @@ def openai_tool(body: dict[str, Any]) -> tuple[str, Any] | None:
     tool other than the :online search tool, unless the conversation ends
     with a tool result (then the engine answers in text).
     """
-    tools = [t.get("function") for t in body.get("tools") or [] if isinstance(t, dict)]
+    tools = [t.get("function") for t in _list(body.get("tools")) if isinstance(t, dict)]
     functions = [f for f in tools if isinstance(f, dict) and isinstance(f.get("name"), str)]
     choice = body.get("tool_choice", "auto")
     if not functions or choice == "none":
         return None
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        name = _dict(choice.get("function")).get("name")
         chosen = next((f for f in functions if f["name"] == name), None)
     elif choice == "required":
         chosen = functions[0]
@@ -304,7 +312,7 @@ def anthropic_tool(body: dict[str, Any]) -> tuple[str, Any] | None:
     default) the first client tool unless the last turn carries tool results.
     Server tools (no ``input_schema``) are never called.
     """
-    tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and isinstance(t.get("name"), str)]
+    tools = [t for t in _list(body.get("tools")) if isinstance(t, dict) and isinstance(t.get("name"), str)]
     client = [t for t in tools if isinstance(t.get("input_schema"), dict)]
     raw = body.get("tool_choice")
     choice: dict[str, Any] = raw if isinstance(raw, dict) else {"type": "auto"}

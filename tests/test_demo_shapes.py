@@ -299,3 +299,18 @@ def test_responses_parse_returns_a_pydantic_object(stack):
     assert isinstance(r.output_parsed, Event) and 10 <= r.output_parsed.capacity <= 20
     plain = stack.oa.responses.create(model="demo-model", input="plan an event")
     assert plain.output_text.startswith("[local] demo-model:")
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": 5}, {"tools": "x", "tool_choice": "required"}, {"tools": [{"function": {"name": "f", "parameters": 7}}]},
+    {"tools": [{"function": {"name": "f", "parameters": {"type": "object", "properties": [1], "required": 3}}}]},
+    {"tools": [{"function": {"name": "f", "parameters": {"anyOf": "x", "allOf": [{"properties": 2}]}}}]},
+])
+def test_odd_tool_bodies_do_not_break_the_planner(body):
+    from sidecar.demo_shapes import chat_replies
+
+    replies = chat_replies({**body, "messages": []}, ["hi"])
+    assert len(replies) == 1
+    if replies[0].tool_call is not None:
+        json.loads(replies[0].tool_call.arguments)
+    assert anthropic_tool({"tools": body["tools"]}) is None
