@@ -42,6 +42,10 @@ Request headers that shape a reply on any ``/v1/`` route:
 * ``x-demo-crlf: 1``: streamed events use ``\\r\\n`` line endings.
 
 Every response to a ``/v1/`` route carries an ``x-demo-engine: <name>`` header.
+
+Chat Completions and Messages requests with ``tools``, ``response_format``,
+``n`` or ``logprobs`` get tool calls, schema-shaped JSON, ``n`` choices and
+logprobs planned by :mod:`sidecar.demo_shapes` (see docs/demo-engine.md).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ from typing import Any
 
 import orjson
 from aiohttp import BodyPartReader, WSMsgType, web
+
+from sidecar import demo_shapes
 
 __all__ = ["add_arguments", "build_app", "main", "run", "start"]
 
@@ -596,9 +602,10 @@ class _Engine:
 
     # ------------------------------------------------------------------ OpenAI
 
-    def openai_usage(self, prompt_text: str, words: list[str], cap: int | None) -> dict[str, int]:
+    def openai_usage(self, prompt_text: str, lengths: list[int], cap: int | None) -> dict[str, int]:
+        """Usage of a reply whose choices have ``lengths`` tokens each (``cap`` applies per choice)."""
         prompt_tokens = max(_words(prompt_text), 1)
-        completion_tokens = len(words) if cap is None else min(len(words), cap)
+        completion_tokens = sum(n if cap is None else min(n, cap) for n in lengths)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -619,7 +626,7 @@ class _Engine:
         tool_reply = self.scripted_tools(body, words) if not body.get("stream") else None
         if tool_reply is not None:
             message, finish, words = tool_reply
-            usage = self.openai_usage(_all_text(messages), words, cap)
+            usage = self.openai_usage(_all_text(messages), [len(words)], cap)
             self.account(usage["completion_tokens"])
             return _json_response({
                 "id": completion_id, "object": "chat.completion", "created": CREATED, "model": model,
@@ -627,27 +634,17 @@ class _Engine:
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
                 "usage": usage,
             })
-        usage = self.openai_usage(_all_text(messages), words, cap)
+        replies = demo_shapes.chat_replies(body, words)
+        usage = self.openai_usage(_all_text(messages), [r.tokens for r in replies], cap)
         self.account(usage["completion_tokens"])
+        seq = completion_id.rsplit("-", 1)[-1]
         if not body.get("stream"):
-            return _json_response(
-                {
-                    "id": completion_id,
-                    "object": "chat.completion",
-                    "created": CREATED,
-                    "model": model,
-                    "system_fingerprint": fingerprint,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": " ".join(words), "refusal": None},
-                            "logprobs": None,
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": usage,
-                }
-            )
+            return _json_response({
+                "id": completion_id, "object": "chat.completion", "created": CREATED, "model": model,
+                "system_fingerprint": fingerprint,
+                "choices": [demo_shapes.chat_choice(i, r, body, seq) for i, r in enumerate(replies)],
+                "usage": usage,
+            })
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         base = {
             "id": completion_id,
@@ -656,19 +653,15 @@ class _Engine:
             "model": model,
             "system_fingerprint": fingerprint,
         }
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-            obj = {
-                **base,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-            }
-            if include_usage:
-                obj["usage"] = None
-            return obj
-
-        events: list[tuple[str | None, Any]] = [(None, chunk({"role": "assistant", "content": ""}))]
-        events += [(None, chunk({"content": piece})) for piece in self.pieces(words)]
-        events.append((None, chunk({}, "stop")))
+        per_choice = [demo_shapes.chat_deltas(i, r, body, seq) for i, r in enumerate(replies)]
+        events: list[tuple[str | None, Any]] = []
+        for step in range(max(len(c) for c in per_choice)):
+            for choices in per_choice:
+                if step < len(choices):
+                    obj = {**base, "choices": [choices[step]]}
+                    if include_usage:
+                        obj["usage"] = None
+                    events.append((None, obj))
         if include_usage:
             events.append((None, {**base, "choices": [], "usage": usage}))
         events.append((None, b"[DONE]"))
@@ -719,26 +712,36 @@ class _Engine:
         prompt = _prompt_text(body.get("prompt"))
         hooks: _Hooks = request[_PARSED].hooks
         words = self.reply_words(model, prompt, hooks)
-        usage = self.openai_usage(prompt, words, _cap(body.get("max_tokens")))
+        usage = self.openai_usage(prompt, [len(words)], _cap(body.get("max_tokens")))
         self.account(usage["completion_tokens"])
         base = {"id": self.next_id("cmpl-demo"), "object": "text_completion", "created": CREATED, "model": model}
+
+        def logprobs(pieces: list[str], offset: int = 0) -> dict[str, Any] | None:
+            if body.get("logprobs") is None:
+                return None
+            return demo_shapes.completion_logprobs(pieces, body.get("logprobs"), offset)
+
         if not body.get("stream"):
             return _json_response(
                 {
                     **base,
-                    "choices": [{"text": " ".join(words), "index": 0, "logprobs": None, "finish_reason": "stop"}],
+                    "choices": [{"text": " ".join(words), "index": 0, "finish_reason": "stop",
+                                 "logprobs": logprobs(self.pieces(words))}],
                     "usage": usage,
                 }
             )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        def chunk(text: str, finish_reason: str | None = None) -> dict[str, Any]:
-            obj = {**base, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+        def chunk(text: str, finish_reason: str | None = None, offset: int = 0) -> dict[str, Any]:
+            lp = logprobs([text], offset) if text else None
+            obj = {**base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish_reason}]}
             if include_usage:
                 obj["usage"] = None
             return obj
 
-        events: list[tuple[str | None, Any]] = [(None, chunk(piece)) for piece in self.pieces(words)]
+        pieces = self.pieces(words)
+        offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        events: list[tuple[str | None, Any]] = [(None, chunk(p, None, o)) for p, o in zip(pieces, offsets)]
         events.append((None, chunk("", "stop")))
         if include_usage:
             events.append((None, {**base, "choices": [], "usage": usage}))
@@ -864,11 +867,13 @@ class _Engine:
         model = self.model(request, body.get("model"))
         hooks: _Hooks = request[_PARSED].hooks
         words = self.reply_words(model, _last_user_text(body.get("messages")), hooks)
+        message_id = self.next_id("msg_demo")
+        block, start_block, deltas = self.anthropic_content(body, words, message_id)
         cap = _cap(body.get("max_tokens"))
         input_tokens = self.anthropic_input_tokens(body)
-        output_tokens = len(words) if cap is None else min(len(words), cap)
+        output_tokens = len(deltas) if cap is None else min(len(deltas), cap)
         self.account(output_tokens)
-        message_id = self.next_id("msg_demo")
+        stop_reason = "tool_use" if block["type"] == "tool_use" else "end_turn"
         if not body.get("stream"):
             return _json_response(
                 {
@@ -876,8 +881,8 @@ class _Engine:
                     "type": "message",
                     "role": "assistant",
                     "model": model,
-                    "content": [{"type": "text", "text": " ".join(words)}],
-                    "stop_reason": "end_turn",
+                    "content": [block],
+                    "stop_reason": stop_reason,
                     "stop_sequence": None,
                     "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
                 }
@@ -894,17 +899,10 @@ class _Engine:
         }
         events: list[tuple[str | None, Any]] = [
             ("message_start", {"type": "message_start", "message": start_message}),
-            (
-                "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-            ),
+            ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": start_block}),
         ]
         events += [
-            (
-                "content_block_delta",
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}},
-            )
-            for piece in self.pieces(words)
+            ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}) for delta in deltas
         ]
         events += [
             ("content_block_stop", {"type": "content_block_stop", "index": 0}),
@@ -912,13 +910,27 @@ class _Engine:
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                    "usage": {"output_tokens": output_tokens},
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                    "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
                 },
             ),
             ("message_stop", {"type": "message_stop"}),
         ]
         return await self.stream(request, events)
+
+    def anthropic_content(
+        self, body: dict[str, Any], words: list[str], message_id: str
+    ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+        """The reply's content block, its streamed start block and its deltas: text or a tool call."""
+        tool = demo_shapes.anthropic_tool(body)
+        if tool is None:
+            deltas = [{"type": "text_delta", "text": piece} for piece in self.pieces(words)]
+            return {"type": "text", "text": " ".join(words)}, {"type": "text", "text": ""}, deltas
+        arguments = demo_shapes.schema_instance(tool[1])
+        head = {"type": "tool_use", "id": f"toolu_{message_id.removeprefix('msg_')}", "name": tool[0]}
+        pieces = demo_shapes.json_pieces(orjson.dumps(arguments).decode())
+        deltas = [{"type": "input_json_delta", "partial_json": piece} for piece in pieces]
+        return {**head, "input": arguments}, {**head, "input": {}}, deltas
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = self.body(request)

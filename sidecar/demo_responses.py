@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from .demo_engine import _PARSED, CREATED, _all_text, _cap, _Engine, _json_response, _last_user_text, _Reject, _words
+from .demo_shapes import format_json
 
 MAX_STORED = 10_000
 
@@ -80,6 +81,10 @@ class ResponsesAPI:
         reasoning = body.get("reasoning")
         effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
         words = engine.reply_words(model, echo, request[_PARSED].hooks, effort)
+        text_options = body.get("text")
+        structured = format_json(text_options.get("format") if isinstance(text_options, dict) else None, words)
+        if structured is not None:
+            words = [structured]
         cap = _cap(body.get("max_output_tokens"))
         input_tokens = max(_words(input_text), 1)
         output_tokens = len(words) if cap is None else min(len(words), cap)
