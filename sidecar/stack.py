@@ -247,10 +247,15 @@ class Stack:
             argv += ["--usage-records", str(self.usage_records)]
         return argv
 
-    def stop_sidecar(self, i: int | None = None, sig: int = signal.SIGTERM) -> None:
-        """Stop sidecar process ``i`` (all of them when None)."""
-        for j in range(self.sidecars) if i is None else [i]:
+    def stop_sidecar(self, i: int | None = None, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        """Stop sidecar process ``i`` (all of them when None), and wait until
+        Envoy's health check has noticed: a restart that follows then waits for
+        a fresh healthy verdict, never for a stale one."""
+        indexes = list(range(self.sidecars)) if i is None else [i]
+        for j in indexes:
             self._stop(self._procs[f"sidecar-{j}"], sig)
+        self.wait_envoy_sees_sidecars([self.sidecar_grpc[j] for j in indexes], time.monotonic() + timeout,
+                                      healthy=False)
 
     def start_sidecar(self, i: int | None = None, timeout: float = 30.0) -> None:
         indexes = list(range(self.sidecars)) if i is None else [i]
@@ -261,18 +266,21 @@ class Stack:
             self._wait_http(f"sidecar-{j}", f"http://{self.sidecar_admin[j]}/readyz", deadline)
         self.wait_envoy_sees_sidecars([self.sidecar_grpc[j] for j in indexes], deadline)
 
-    def wait_envoy_sees_sidecars(self, addresses: list[str], deadline: float) -> None:
-        """Until Envoy's health check has found every sidecar at ``addresses`` serving."""
+    def wait_envoy_sees_sidecars(self, addresses: list[str], deadline: float, healthy: bool = True) -> None:
+        """Until Envoy's health check has found every sidecar at ``addresses``
+        serving (or, with ``healthy=False``, none of them serving)."""
         want = {f"{envoyconf.RESERVED_BACKEND_NAME}::{a}::health_flags::healthy" for a in addresses}
         while True:
             try:
                 text = urllib.request.urlopen(f"http://{self.envoy_admin}/clusters", timeout=2).read().decode()
-                if want <= set(text.splitlines()):
+                seen = want & set(text.splitlines())
+                if seen == want if healthy else not seen:
                     return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise StackError(f"Envoy does not see the sidecars at {', '.join(addresses)} as healthy")
+                state = "healthy" if healthy else "down"
+                raise StackError(f"Envoy does not see the sidecars at {', '.join(addresses)} as {state}")
             time.sleep(0.05)
 
     def metrics_text(self) -> list[str]:
