@@ -511,6 +511,21 @@ class Limit(_Model):
         return None
 
 
+class FeedbackMetric(_Model):
+    """An outcome callers report on a request (``POST /v1/feedback``), judged per arm by the readout."""
+
+    name: Name
+    type: Literal["boolean", "float"]
+    optimize: Literal["max", "min"] = "max"
+
+
+def _unique_feedback(metrics: list[FeedbackMetric]) -> list[FeedbackMetric]:
+    names = [m.name for m in metrics]
+    if len(set(names)) != len(names):
+        raise ValueError("feedback metric names must be unique")
+    return metrics
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -532,6 +547,7 @@ class Config(_Model):
     tracing: Tracing = Tracing()
     cache: Cache | None = None
     limits: list[Limit] = []
+    feedback_metrics: Annotated[list[FeedbackMetric], AfterValidator(_unique_feedback), Field(max_length=32)] = []
 
 
 @dataclass

@@ -132,6 +132,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "experiment_id": d.get("experiment"),
         "experiment_variant_id": d.get("variant"),
         "assignment": d.get("assignment"),
+        "caller": d.get("caller"),  # the sticky caller's hash: distinct callers in the readout
         "suffix": d.get("suffix"),
         "fallback_from": d.get("fallback_from"),
         "status": entry.status,
