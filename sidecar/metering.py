@@ -121,6 +121,10 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
     kind = d.get("kind")
     if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
         return None
+    if kind == "feedback":
+        from .experiments.feedback import usage_record as feedback_record
+
+        return feedback_record(d, entry.start)
     return {
         "request_id": d.get("request_id"),
         "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),

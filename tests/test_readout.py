@@ -62,7 +62,8 @@ def test_figures_from_records(cfg):
     e = cfg.model_experiments[0]
     rows = [request(0, "control", status=503, caller="aa"), request(1, "control", latency=30.0, caller="aa"),
             request(2, "candidate", latency=7.0), request(3, "candidate", kind="refusal", status=404),
-            feedback(0, "control", "score", 2.0), feedback(0, "control", "score", 4.0),  # the later one replaces
+            {**feedback(0, "control", "score", 4.0), "revision": 2},  # a replacement written before the value
+            {**feedback(0, "control", "score", 2.0), "revision": 1},  # it replaced (Envoy threads flush apart)
             feedback(2, "candidate", "thumbs_up", True), feedback(2, "candidate", "unknown", 1),
             {"kind": "routed", "experiment_id": "other", "experiment_variant_id": "control"}]
     arms, p = records.aggregate(rows, cfg, e)

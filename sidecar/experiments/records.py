@@ -108,7 +108,9 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config,
               experiment: Experiment) -> tuple[dict[str, ArmData], float | None]:
     """Per-arm figures and the sample-ratio p-value of one experiment's records."""
     arms = {v.id: _Arm() for v in experiment.variants}
-    feedback: dict[tuple[str, str], tuple[str, float]] = {}  # (request id, name) -> (arm, value): the latest wins
+    # (request id, name) -> (revision, arm, value): the highest revision wins (records of
+    # one request can reach the file out of order: Envoy flushes per worker thread).
+    feedback: dict[tuple[str, str], tuple[int, str, float]] = {}
     kinds = {m.name: m.type for m in config.feedback_metrics}
     prices = _Prices(config)
     for rec in records:
@@ -119,11 +121,14 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config,
             name, value = rec.get("name"), rec.get("value")
             if isinstance(name, str) and name in kinds and isinstance(rec.get("request_id"), str):
                 x = float(value) if isinstance(value, bool) else _num(value)
-                if x is not None:
-                    feedback[(rec["request_id"], name)] = (variant, x)
+                revision = rec.get("revision")
+                revision = revision if isinstance(revision, int) else 1
+                key = (rec["request_id"], name)
+                if x is not None and revision >= feedback.get(key, (0, "", 0.0))[0]:
+                    feedback[key] = (revision, variant, x)
         elif rec.get("kind") in COUNTED_KINDS:
             _request(arms[variant], rec, prices)
-    for (_, name), (variant, x) in feedback.items():
+    for (_, name), (_, variant, x) in feedback.items():
         arms[variant].observe(feedback_key(name), x)
     out = {}
     for vid, a in arms.items():
