@@ -290,3 +290,69 @@ def test_report_through_the_admin_port(stack):
     assert arms["control"]["metrics"]["feedback:thumbs_up"]["mean"] < 0.15
     assert arms["control"]["callers"] > 0 and arms["control"]["metrics"]["tokens_per_request"]["n"] > 0
     assert doc["comparisons"][0]["metrics"]["feedback:thumbs_up"]["verdict"] in ("better", "not yet distinguishable")
+
+
+@pytest.mark.integration
+def test_prometheus_records_the_feedback_rules_and_the_report_reads_it(stack_factory, tmp_path, capsys):
+    from pathlib import Path
+
+    from sidecar.cli import main
+    from tests.servers import PrometheusServer
+
+    rules = Path(__file__).resolve().parent.parent / "deploy" / "observability" / "model-router.rules.yml"
+    fresh = stack_factory(STACK.replace("flush_interval_ms: 2000", "flush_interval_ms: 100"))
+    prom = PrometheusServer(tmp_path / "prometheus", targets=fresh.sidecar_admin, rule_files=[rules]).start()
+    try:
+        def primed() -> bool:
+            return bool(prom.query('model_experiment_feedback_total{name="thumbs_up"}'))
+
+        wait_until(primed, "the first scrape of the primed feedback series")
+        requests = served(fresh, 16)
+        for i, (rid, arm) in enumerate(requests):
+            value = arm == "candidate" or i % 4 == 0
+            assert give(fresh, "sk-team-a", {"request_id": rid, "name": "thumbs_up", "value": value}).status_code == 200
+        rid, arm = requests[1]
+        assert give(fresh, "sk-team-a", {"request_id": rid, "name": "thumbs_up", "value": arm != "candidate"}).json()[
+            "replaced"]
+        assert metered(fresh, timeout=10)
+        want = {}
+        for a in ("control", "candidate"):
+            n = fb_metric(fresh, "model_experiment_feedback_total", experiment="split", variant=a, name="thumbs_up")
+            net = (fb_metric(fresh, "model_experiment_feedback_value_total", experiment="split", variant=a)
+                   - fb_metric(fresh, "model_experiment_feedback_value_retracted_total", experiment="split", variant=a))
+            want[a] = net / n
+
+        def means() -> dict[str, float]:
+            return {s["metric"]["variant"]: float(s["value"][1]) for s in prom.query(
+                'model_experiment_feedback:mean:ratio_rate1h{experiment="split", name="thumbs_up"}')}
+
+        got = wait_until(lambda: (m := means()) and all(m.get(a) == pytest.approx(v) for a, v in want.items()) and m,
+                         "the recorded means to match the sidecar's counters")
+        delta = {s["metric"]["variant"]: float(s["value"][1]) for s in prom.query(
+            'model_experiment_feedback:mean_delta_vs_control:ratio_rate1h{name="thumbs_up"}')}
+        assert delta["control"] == 0 and delta["candidate"] == pytest.approx(got["candidate"] - got["control"])
+        for rule in ("model_experiment_feedback:given:rate5m", "model_experiment_feedback:per_request:ratio_rate5m",
+                     "model_experiment_feedback:corrections:ratio_rate5m"):
+            assert {s["metric"]["variant"] for s in prom.query(rule)} == {"control", "candidate"}, rule
+        config = tmp_path / "config.yaml"
+        config.write_text(STACK)
+        assert main(["experiments", "report", "--config", str(config), "--prometheus", prom.url,
+                     "--experiment", "split", "--window", "1h", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["source"] == "prometheus"
+        arms = {a["variant"]: a for a in doc["arms"]}
+        for a, v in want.items():  # increase() extrapolates each series to the window's edges: nearly exact
+            assert arms[a]["metrics"]["feedback:thumbs_up"]["mean"] == pytest.approx(v, rel=0.01)
+        assert sum(a["requests"] for a in arms.values()) >= 16
+    finally:
+        prom.stop()
+
+
+def wait_until(check, what: str, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)

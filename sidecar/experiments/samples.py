@@ -71,7 +71,7 @@ def _moments(buckets: list[tuple[float, float]], total: float, scale: float = 1.
         n += count
         squares += count * (mid * scale) ** 2
         lower = lower if math.isinf(le) else le
-    return Moments(round(n), total * scale, squares)
+    return Moments(n, total * scale, squares)
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -91,7 +91,7 @@ def _arm(config: Config, experiment: Experiment, variant: str, samples: list[Sam
     v = variant
     requests, errors = _total(samples, REQUESTS, variant=v), _total(samples, REQUESTS, variant=v, status="server_error")
     arm = ArmData(requests=round(requests))
-    arm.metrics["error_rate"] = Moments(round(requests), errors, errors)
+    arm.metrics["error_rate"] = Moments(requests, errors, errors)
     latency = _histogram(samples, DURATION, variant=v)
     arm.metrics["latency_ms"] = _moments(latency, _total(samples, f"{DURATION}_sum", variant=v), 1000.0)
     p50, p95 = _quantile(latency, 0.5), _quantile(latency, 0.95)
@@ -107,7 +107,7 @@ def _arm(config: Config, experiment: Experiment, variant: str, samples: list[Sam
             arm.means_only["cost_per_request"] = (prompt * meta.pricing.input
                                                   + completion * meta.pricing.output) / 1e6 / served
     for m in config.feedback_metrics:
-        n = round(_total(samples, FEEDBACK, variant=v, name=m.name))
+        n = _total(samples, FEEDBACK, variant=v, name=m.name)
         s = _total(samples, FEEDBACK_VALUE, variant=v, name=m.name) - _total(
             samples, FEEDBACK_RETRACTED, variant=v, name=m.name)
         if m.type == "boolean":

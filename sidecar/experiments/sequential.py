@@ -43,9 +43,10 @@ Verdict = Literal["better", "worse", "higher", "lower", "not yet distinguishable
 
 @dataclass(frozen=True, slots=True)
 class Moments:
-    """A metric's observations in one arm, as count, sum and sum of squares."""
+    """A metric's observations in one arm, as count, sum and sum of squares (a count read from
+    Prometheus's ``increase()`` is an extrapolated estimate, hence a float)."""
 
-    n: int = 0
+    n: float = 0
     total: float = 0.0
     squares: float = 0.0
 
