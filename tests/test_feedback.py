@@ -356,3 +356,37 @@ def wait_until(check, what: str, timeout: float = 90.0):
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
+
+
+@pytest.mark.integration
+def test_two_sidecars_share_the_join_through_redis(stack_factory, redis_server):
+    import redis
+
+    text = STACK + 'redis: {url: "%s", timeout_ms: 200, key_prefix: "fbtest:"}\nfeedback: {ttl_s: 600}\n' % redis_server.url
+    pair = stack_factory(text, sidecars=2)
+    requests: list[tuple[str, str]] = []
+    for _ in range(10):  # until Envoy has spread the decisions over both processes
+        requests += served(pair, 4)
+        decided = [sidecar_count(t, "model_router_decisions_total") for t in pair.metrics_text()]
+        if all(n > 0 for n in decided):
+            break
+    assert all(n > 0 for n in decided), decided
+    store = redis.Redis.from_url(redis_server.url)
+    rid, arm = requests[0]
+    stored = store.hgetall(f"fbtest:feedback:{rid}")
+    assert stored == {b"owner": b"id:team-a", b"experiment": b"split", b"variant": arm.encode()}
+    assert 0 < store.ttl(f"fbtest:feedback:{rid}") <= 600
+    for rid, _ in requests:
+        r = give(pair, "sk-team-a", {"request_id": rid, "name": "rating", "value": 3})
+        assert r.status_code == 200 and r.json()["replaced"] is False, r.text
+    assert give(pair, "sk-team-a", {"request_id": rid, "name": "rating", "value": 5}).json()["replaced"] is True
+    assert give(pair, "sk-team-b", {"request_id": rid, "name": "rating", "value": 5}).status_code == 404
+    per_process = [sidecar_count(t, "model_experiment_feedback_total") for t in pair.metrics_text()]
+    assert sum(per_process) == len(requests)
+    assert sum(sidecar_count(t, "model_experiment_feedback_corrections_total") for t in pair.metrics_text()) == 1
+    assert [sidecar_count(t, "model_router_feedback_join_entries") for t in pair.metrics_text()] == [0, 0]
+    assert store.hget(f"fbtest:feedback:{rid}", "rev:rating") == b"2"
+
+
+def sidecar_count(text: str, series: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == series)
