@@ -211,7 +211,7 @@ class Processor(pbg.ExternalProcessorServicer):
                     if hop is not None:
                         yield hop.body(req.request_body)
                         return
-                    if st.ingress is None and is_feedback(st.path):
+                    if st.ingress is None and not st.passthrough and is_feedback(st.path):
                         yield await self._feedback(st, req.request_body.body)
                         return
                     resp = self._request_body(st, req.request_body)
@@ -294,8 +294,8 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(self._too_large(st), st)
         if ingress is None and (about := follow_up(st.path)) is not None:
             return self._follow_up(st, *about)
-        if ingress is None and is_feedback(st.path):
-            return self._feedback_headers(st, msg)
+        if ingress is None and snap.config.feedback_metrics and is_feedback(st.path):
+            return self._feedback_headers(st, msg)  # without feedback metrics the path is the backends' own
         if ingress is None:
             listing_path = listing_of(st.path)
             if listing_path is not None:

@@ -390,3 +390,14 @@ def test_two_sidecars_share_the_join_through_redis(stack_factory, redis_server):
 
 def sidecar_count(text: str, series: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == series)
+
+
+@pytest.mark.integration
+def test_without_feedback_metrics_the_path_is_the_backends_own(stack_factory):
+    from .conftest import clear_demo_requests, demo_requests
+
+    plain = stack_factory('proxy: {passthrough_backend: alpha}\nbackends: [{name: alpha, url: "demo://", models: [m]}]\n')
+    clear_demo_requests(plain)
+    r = httpx.post(plain.url + "/v1/feedback", json={"request_id": "x", "name": "thumbs_up", "value": True})
+    assert r.status_code == 404  # the demo engine's own answer: it has no such endpoint
+    assert demo_requests(plain, "alpha")[-1]["path"] == "/v1/feedback"
