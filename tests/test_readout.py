@@ -159,3 +159,48 @@ def test_figures_from_metric_samples(cfg):
     m = report["comparisons"][0]["metrics"]
     assert m["error_rate"]["verdict"] == "worse" and m["feedback:thumbs_up"]["verdict"] == "better"
     assert m["tokens_per_request"]["low"] is None and "no interval" in m["tokens_per_request"]["note"]
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    ("feedback_metrics: [{name: a, type: stars}]", "feedback_metrics[0].type"),
+    ("feedback_metrics: [{name: a, type: boolean, optimize: up}]", "feedback_metrics[0].optimize"),
+    ("feedback_metrics: [{name: a, type: boolean, weight: 2}]", "feedback_metrics[0].weight"),
+    ("feedback_metrics: [{name: a, type: boolean}, {name: a, type: float}]", "unique"),
+    ("feedback_metrics: [{name: 'a b', type: boolean}]", "feedback_metrics[0].name"),
+    ("feedback: {ttl_s: 1}", "feedback.ttl_s"),
+    ("feedback: {max_entries: 5}", "feedback.max_entries"),
+])
+def test_feedback_config_is_checked(extra, fragment):
+    from sidecar.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        parse(CONFIG + extra + "\n")
+    assert any(fragment in e for e in err.value.errors), err.value.errors
+
+
+def test_the_registry_source_reads_this_process_counters(cfg):
+    import asyncio
+
+    from sidecar import metrics
+    from sidecar.experiments.feedback import Feedback
+
+    metrics.prime(cfg)
+    e = cfg.model_experiments[0]
+    before, _ = samples.arms_of(cfg, e, samples.registry_samples())
+    fb = Feedback()
+
+    async def give() -> None:
+        for i, variant in enumerate(["control", "candidate", "candidate"]):
+            fb.record(cfg, f"reg-{i}", "", "split", variant)
+            reply, _ = await fb.handle(cfg, "POST", "", json.dumps(
+                {"request_id": f"reg-{i}", "name": "thumbs_up", "value": variant == "candidate"}).encode())
+            assert reply.status == 200
+
+    asyncio.run(give())
+    after, _ = samples.arms_of(cfg, e, samples.registry_samples())
+    key = "feedback:thumbs_up"
+    assert after["candidate"].metrics[key].n - before["candidate"].metrics[key].n == 2
+    assert after["candidate"].metrics[key].total - before["candidate"].metrics[key].total == 2
+    assert after["control"].metrics[key].n - before["control"].metrics[key].n == 1
+    report = samples.report_from_registry(cfg, e)
+    assert report["source"] == "metrics" and report["arms"][1]["variant"] == "candidate"
