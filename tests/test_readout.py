@@ -52,7 +52,8 @@ def balanced(n: int, thumbs_candidate: float, rng: random.Random) -> list[dict]:
     rows = []
     for i in range(n):
         variant = "control" if i % 2 == 0 else "candidate"
-        rows.append(request(i, variant, latency=rng.gauss(100 if variant == "control" else 80, 10)))
+        rows.append({**request(i, variant, latency=rng.gauss(100 if variant == "control" else 80, 10)),
+                     "completion_tokens": rng.randint(10, 30)})
         p = 0.5 if variant == "control" else thumbs_candidate
         rows.append(feedback(i, variant, "thumbs_up", rng.random() < p))
     return rows
@@ -72,6 +73,7 @@ def test_figures_from_records(cfg):
     assert c.metrics["error_rate"].mean == 0.5 and t.metrics["error_rate"].mean == 0.0
     assert c.metrics["latency_ms"].n == 2 and t.metrics["latency_ms"].n == 1  # a refusal served nothing
     assert c.metrics["tokens_per_request"].mean == 30
+    assert c.metrics["tokens_per_request"].variance == 0.0  # constant: no spread, not rounding noise
     assert c.metrics["cost_per_request"].mean == pytest.approx((10 * 1 + 20 * 2) / 1e6)
     assert t.metrics["cost_per_request"].mean == pytest.approx((10 * 3 + 20 * 4) / 1e6)  # the backend's price
     assert c.metrics["feedback:score"].n == 1 and c.metrics["feedback:score"].mean == 4.0
@@ -88,7 +90,7 @@ def test_a_clear_winner_and_a_tie(cfg):
     assert m["feedback:thumbs_up"]["verdict"] == "better" and m["feedback:thumbs_up"]["low"] > 0
     assert m["latency_ms"]["verdict"] == "better" and m["latency_ms"]["high"] < 0  # lower is better
     assert m["error_rate"]["verdict"] == "not yet distinguishable"  # no errors anywhere: no spread
-    assert m["tokens_per_request"]["verdict"] == "not yet distinguishable"
+    assert m["tokens_per_request"]["verdict"] == "not yet distinguishable"  # same token counts on both arms
     assert m["cost_per_request"]["verdict"] == "worse" and m["cost_per_request"]["low"] > 0
     text = readout.render(report)
     assert "feedback:thumbs_up" in text and "better" in text and "CANNOT BE TRUSTED" not in text

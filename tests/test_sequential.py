@@ -58,6 +58,10 @@ def test_small_or_constant_arms_get_no_interval():
     d = difference(constant, constant)
     assert (d.estimate, d.low, d.high) == (0.0, None, None)
     assert verdict(d, "max") == "not yet distinguishable"
+    tenths = Moments()
+    for _ in range(1000):
+        tenths = tenths.add(0.1)  # inexact in binary: the sums carry rounding error
+    assert tenths.variance == 0.0 and difference(tenths, tenths).low is None
 
 
 def test_verdict_follows_the_direction():

@@ -65,7 +65,9 @@ class Moments:
         """The sample variance (n - 1 in the denominator)."""
         if self.n < 2:
             return math.nan
-        return max(0.0, (self.squares - self.total * self.total / self.n) / (self.n - 1))
+        spread = self.squares - self.total * self.total / self.n
+        # Rounding leaves a constant sample a spread of a few ulps of its squares: that is none.
+        return spread / (self.n - 1) if spread > 1e-12 * self.squares else 0.0
 
 
 @dataclass(frozen=True, slots=True)
