@@ -263,8 +263,12 @@ def test_feedback_refusals_through_envoy(stack):
     assert raw.status_code == 200
     outside = give(stack, "sk-team-a", {"request_id": raw.headers["x-request-id"], "name": "thumbs_up", "value": True})
     assert outside.status_code == 404
-    rating = give(stack, "sk-team-a", {"request_id": rid, "name": "rating", "value": 4.5})
-    assert rating.status_code == 200
+    huge = give(stack, "sk-team-a", {"request_id": rid, "name": "rating", "value": 1, "comment": "x" * 70_000})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    # Another spelling of the path, and the key in x-api-key: the same endpoint and the same owner.
+    rating = httpx.post(stack.url + "/V1/Feedback/", json={"request_id": rid, "name": "rating", "value": 4.5},
+                        headers={"x-api-key": "sk-team-a"})
+    assert rating.status_code == 200, rating.text
     assert fb_metric(stack, "model_experiment_feedback_distribution_count", experiment="split", name="rating") >= 1
 
 
