@@ -390,6 +390,25 @@ def test_two_sidecars_share_the_join_through_redis(stack_factory, redis_server):
     assert sum(sidecar_count(t, "model_experiment_feedback_corrections_total") for t in pair.metrics_text()) == 1
     assert [sidecar_count(t, "model_router_feedback_join_entries") for t in pair.metrics_text()] == [0, 0]
     assert store.hget(f"fbtest:feedback:{rid}", "rev:rating") == b"2"
+    # Redis gone: the router cannot tell whether it knows the request, so it says so (503), not 404.
+    redis_server.kill()
+    try:
+        down = give(pair, "sk-team-a", {"request_id": rid, "name": "rating", "value": 1})
+        assert down.status_code == 503 and down.json()["error"]["code"] == "feedback_unavailable"
+        assert down.headers["retry-after"] == "1"
+    finally:
+        redis_server.start()
+    # Each process's pooled connections fail once after the restart (counted, answered 503); then new
+    # requests join again, and the old one is forgotten: this Redis keeps nothing across a restart.
+    codes = []
+    for _ in range(30):
+        (new, _), = served(pair, 1)
+        codes.append(give(pair, "sk-team-a", {"request_id": new, "name": "rating", "value": 2}).status_code)
+        if codes[-3:] == [200, 200, 200]:
+            break
+    assert codes[-3:] == [200, 200, 200] and set(codes) <= {200, 404, 503}, codes
+    old = [give(pair, "sk-team-a", {"request_id": rid, "name": "rating", "value": 2}).status_code for _ in range(3)]
+    assert 404 in old and set(old) <= {404, 503}, old
 
 
 def sidecar_count(text: str, series: str) -> float:

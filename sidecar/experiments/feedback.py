@@ -30,7 +30,7 @@ from prometheus_client import Counter, Histogram
 from .. import errors
 from ..errors import Reply
 from ..metrics import REGISTRY
-from .join import JoinStore, Served
+from .join import JoinStore, Served, Unavailable
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -70,7 +70,8 @@ DISTRIBUTION = Histogram(
 )
 REFUSED = Counter(
     "model_router_feedback_refused_total",
-    "Feedback refused: invalid (400: body, name or value) or unknown (404: no such request for this key).",
+    "Feedback refused: invalid (400, 405, 413), unknown (404: no such request for this key) or unavailable "
+    "(503: the shared join store did not answer).",
     ["reason"], registry=REGISTRY,
 )
 
@@ -176,12 +177,16 @@ class Feedback:
         if isinstance(given, Reply):
             REFUSED.labels("invalid").inc()
             return given, {}
-        served = await self.join.find(config, given.request_id)
-        if served is None or served.owner != owner:
-            REFUSED.labels("unknown").inc()
-            return not_found(given.request_id), {}
-        stored = await self.join.give(config, given.request_id, given.name, given.number)
-        if stored is None:
+        try:
+            served = await self.join.find(config, given.request_id)
+            stored = None
+            if served is not None and served.owner == owner:
+                stored = await self.join.give(config, given.request_id, given.name, given.number)
+        except Unavailable:
+            REFUSED.labels("unavailable").inc()
+            return errors.error("feedback_unavailable", "Feedback cannot be recorded right now; retry shortly.",
+                                "openai"), {}
+        if served is None or stored is None:
             REFUSED.labels("unknown").inc()
             return not_found(given.request_id), {}
         previous = stored.previous
@@ -218,7 +223,7 @@ def prime(config: Config) -> None:
                     family.labels(e.name, v.id, m.name)
                 if m.type == "float":
                     DISTRIBUTION.labels(e.name, v.id, m.name)
-    for reason in ("invalid", "unknown"):
+    for reason in ("invalid", "unknown", "unavailable"):
         REFUSED.labels(reason)
 
 

@@ -45,6 +45,10 @@ for _reason in ("capacity", "expired"):
     JOIN_EVICTIONS.labels(_reason)
 
 
+class Unavailable(Exception):
+    """The shared store did not answer: the request may well be known, so this is not a 404."""
+
+
 @dataclass(frozen=True, slots=True)
 class Served:
     """Who made a request, and the arm that served it."""
@@ -140,7 +144,7 @@ class JoinStore:
             self._failed("record", exc)
 
     async def find(self, config: Config, request_id: str) -> Served | None:
-        """The arm that served the request, or None (unknown, expired, or the store failed)."""
+        """The arm that served the request, or None (unknown or expired). Raises :class:`Unavailable`."""
         if config.redis is None:
             entry = self.memory.get(request_id, time.monotonic())
             return None if entry is None else entry.served
@@ -153,7 +157,7 @@ class JoinStore:
                                          config.redis.timeout_ms / 1000 * 2)
         except Exception as exc:
             self._failed("find", exc)
-            return None
+            raise Unavailable from None
         fields = [x.decode("utf-8", "replace") for x in raw if isinstance(x, bytes)]
         if len(fields) != 3:
             return None
@@ -161,7 +165,7 @@ class JoinStore:
         return Served(owner, experiment, variant)
 
     async def give(self, config: Config, request_id: str, name: str, value: float) -> Given | None:
-        """Set the request's value for ``name``; None when it could not be stored."""
+        """Set the request's value for ``name``; None when the entry is gone. Raises :class:`Unavailable`."""
         if config.redis is None:
             entry = self.memory.get(request_id, time.monotonic())
             if entry is None:
@@ -180,7 +184,7 @@ class JoinStore:
             previous, _, revision, _ = await asyncio.wait_for(pipe.execute(), config.redis.timeout_ms / 1000 * 2)
         except Exception as exc:
             self._failed("give", exc)
-            return None
+            raise Unavailable from None
         return Given(None if previous is None else float(previous), int(revision))
 
     @staticmethod
