@@ -97,10 +97,6 @@ def _invalid(message: str, param: str | None = None) -> Reply:
     return errors.error("invalid_feedback", message, "openai", param)
 
 
-def _printable(s: str) -> bool:
-    return s.isprintable()
-
-
 def parse(body: bytes, config: Config) -> Given | Reply:
     """The feedback a body gives, or the 400 that says what is wrong with it."""
     try:
@@ -114,7 +110,7 @@ def parse(body: bytes, config: Config) -> Given | Reply:
         return _invalid(f"Unknown field '{unknown[0][:64]}'; feedback takes request_id, name, value and comment.",
                         unknown[0][:64])
     rid, name, value, comment = doc.get("request_id"), doc.get("name"), doc.get("value"), doc.get("comment")
-    if not isinstance(rid, str) or not rid or len(rid) > MAX_ID or not _printable(rid):
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_ID or not rid.isprintable():
         return _invalid(f"request_id must be the x-request-id the router returned (a string of 1 to {MAX_ID} "
                         f"printable characters).", "request_id")
     kinds = {m.name: m.type for m in config.feedback_metrics}

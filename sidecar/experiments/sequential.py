@@ -53,9 +53,6 @@ class Moments:
     def add(self, x: float) -> Moments:
         return Moments(self.n + 1, self.total + x, self.squares + x * x)
 
-    def minus(self, x: float) -> Moments:
-        return Moments(self.n - 1, self.total - x, self.squares - x * x)
-
     @property
     def mean(self) -> float:
         return self.total / self.n if self.n else math.nan
