@@ -206,3 +206,34 @@ def test_the_registry_source_reads_this_process_counters(cfg):
     assert after["control"].metrics[key].n - before["control"].metrics[key].n == 1
     report = samples.report_from_registry(cfg, e)
     assert report["source"] == "metrics" and report["arms"][1]["variant"] == "candidate"
+
+
+def test_a_prometheus_that_answers_nonsense_is_an_error_not_a_traceback(cfg, tmp_path, capsys):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = iter([b"not json", b'{"status": "error", "error": "bad query"}',
+                    b'{"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": []}]}}'])
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = next(answers)
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    conf = tmp_path / "c.yaml"
+    conf.write_text(CONFIG)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for want in ("did not answer", "refused", "malformed sample"):
+            assert main(["experiments", "report", "--config", str(conf), "--prometheus", url]) == 1
+            assert want in capsys.readouterr().err
+    finally:
+        server.shutdown()

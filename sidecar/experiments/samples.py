@@ -154,7 +154,11 @@ def prometheus_samples(base: str, experiment: str, window: str) -> Iterator[Samp
     exprs[SRM_CALLERS] = f"sum by (variant) ({SRM_CALLERS}{selector})"
     for name, expr in exprs.items():
         for row in _query(base, expr):
-            yield name, {**row["metric"], "experiment": experiment}, float(row["value"][1])
+            try:
+                labels, value = {str(k): str(v) for k, v in row["metric"].items()}, float(row["value"][1])
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+                raise ValueError(f"Prometheus at {base} answered {expr!r} with a malformed sample") from None
+            yield name, {**labels, "experiment": experiment}, value
 
 
 def registry_samples() -> Iterator[Sample]:
