@@ -38,7 +38,7 @@ def cfg():
 def request(i: int, variant: str, *, status: int = 200, latency: float = 10.0, caller: str | None = None,
             kind: str = "routed") -> dict:
     model, backend = ("model-a", "pool-a") if variant == "control" else ("model-b", "pool-b")
-    return {"request_id": f"r{i}", "kind": kind, "experiment_id": "split", "experiment_variant_id": variant,
+    return {"request_id": f"r{i}", "kind": kind, "time": "2025-12-01T17:53:30.217+00:00", "experiment_id": "split", "experiment_variant_id": variant,
             "upstream_model": model, "backend": backend, "status": status, "duration_to_headers_ms": latency,
             "prompt_tokens": 10, "completion_tokens": 20, "caller": caller or f"{i:016x}", "assignment": "sticky"}
 
@@ -120,6 +120,15 @@ def test_the_command(cfg, tmp_path, capsys):
     assert doc["comparisons"][0]["metrics"]["feedback:thumbs_up"]["verdict"] == "better"
     assert main(["experiments", "report", "--config", str(conf), "--usage-records", str(usage)]) == 0
     assert "candidate vs control" in capsys.readouterr().out
+    # Records carry their time: --since keeps the later ones (here 2026-01-01 on, of which there are none).
+    assert main(["experiments", "report", "--config", str(conf), "--usage-records", str(usage), "--json",
+                 "--experiment", "split", "--since", "1767225600"]) == 0
+    assert [a["requests"] for a in json.loads(capsys.readouterr().out)["arms"]] == [0, 0]
+    assert main(["experiments", "report", "--config", str(conf), "--usage-records", str(usage), "--json",
+                 "--experiment", "split", "--since", "2020-01-01T00:00:00Z"]) == 0
+    assert json.loads(capsys.readouterr().out)["arms"][0]["requests"] == 1000
+    assert main(["experiments", "report", "--config", str(conf), "--usage-records", str(usage), "--since", "soon"]) == 1
+    assert "--since must be" in capsys.readouterr().err
     assert main(["experiments", "report", "--config", str(conf), "--usage-records", str(usage),
                  "--experiment", "nope"]) == 1
     assert "no experiment named 'nope'" in capsys.readouterr().err

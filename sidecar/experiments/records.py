@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,9 +105,16 @@ def _percentile(sorted_xs: list[float], q: float) -> float | None:
     return sorted_xs[min(len(sorted_xs) - 1, max(0, math.ceil(q * len(sorted_xs)) - 1))]
 
 
-def aggregate(records: Iterable[Mapping[str, Any]], config: Config,
-              experiment: Experiment) -> tuple[dict[str, ArmData], float | None]:
-    """Per-arm figures and the sample-ratio p-value of one experiment's records."""
+def _at(rec: Mapping[str, Any]) -> float | None:
+    try:
+        return datetime.fromisoformat(str(rec.get("time"))).timestamp()
+    except ValueError:
+        return None
+
+
+def aggregate(records: Iterable[Mapping[str, Any]], config: Config, experiment: Experiment,
+              since: float | None = None) -> tuple[dict[str, ArmData], float | None]:
+    """Per-arm figures and the sample-ratio p-value of one experiment's records (those from ``since`` on)."""
     arms = {v.id: _Arm() for v in experiment.variants}
     # (request id, name) -> (revision, arm, value): the highest revision wins (records of
     # one request can reach the file out of order: Envoy flushes per worker thread).
@@ -116,6 +124,8 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config,
     for rec in records:
         variant = rec.get("experiment_variant_id")
         if rec.get("experiment_id") != experiment.name or not isinstance(variant, str) or variant not in arms:
+            continue
+        if since is not None and ((at := _at(rec)) is None or at < since):
             continue
         if rec.get("kind") == "feedback":
             name, value = rec.get("name"), rec.get("value")

@@ -1,7 +1,7 @@
 """``model-router experiments report``: each arm against the control arm, from usage records or Prometheus.
 
-    model-router experiments report --config FILE (--usage-records FILE | --prometheus URL)
-                                    [--experiment E] [--window 14d] [--json]
+    model-router experiments report --config FILE (--usage-records FILE [--since TIME] | --prometheus URL [--window 14d])
+                                    [--experiment E] [--json]
 
 Exit status: 0 with a report; 1 for an invalid config, an unknown experiment
 or a source that cannot be read.
@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from ..assign_cli import parse_time
 from ..config import Config, ConfigError, Experiment, load
 from . import readout, records
 
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus scraping the sidecars (http://host:9090)")
     p.add_argument("--experiment", help="experiment name (default: every experiment)")
     p.add_argument("--window", default="14d", help="with --prometheus: the range the counters are read over (default 14d)")
+    p.add_argument("--since", metavar="TIME", help="with --usage-records: only records from this unix time or "
+                                                   "ISO-8601 instant on (say, the last weight edit)")
     p.add_argument("--json", action="store_true", help="print JSON, as GET /admin/experiments/{E}/report answers")
 
 
@@ -39,9 +42,17 @@ def experiments_of(config: Config, name: str | None) -> list[Experiment]:
     raise KeyError(name)
 
 
-def report_from_records(config: Config, experiment: Experiment, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    arms, p = records.aggregate(rows, config, experiment)
+def report_from_records(config: Config, experiment: Experiment, rows: list[dict[str, Any]],
+                        since: float | None = None) -> dict[str, Any]:
+    arms, p = records.aggregate(rows, config, experiment, since)
     return readout.build(config, experiment, arms, p, "usage_records")
+
+
+def _since(text: str) -> float:
+    try:
+        return parse_time(text)
+    except ValueError:
+        raise ValueError(f"--since must be a unix time or an ISO-8601 instant, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,9 +69,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         if args.usage_records:
+            since = None if args.since is None else _since(args.since)
             rows = list(records.read(args.usage_records))
-            reports = [report_from_records(config, e, rows) for e in chosen]
+            reports = [report_from_records(config, e, rows, since) for e in chosen]
         else:
+            if args.since is not None:
+                raise ValueError("--since reads usage records; with --prometheus, --window sets the period")
             from . import samples
 
             reports = [samples.report_from_prometheus(config, e, args.prometheus, args.window) for e in chosen]
