@@ -151,6 +151,7 @@ def test_figures_from_metric_samples(cfg):
             (samples.FEEDBACK_VALUE, {"variant": v, "name": "thumbs_up"}, thumbs + retracted),
             (samples.FEEDBACK_RETRACTED, {"variant": v, "name": "thumbs_up"}, retracted),
             (samples.SRM_CALLERS, {"variant": v}, 400),
+            (samples.CACHE_HITS, {"variant": v}, 10),
         ]
         for le, count in (("0.1", 500), ("0.2", 900), ("+Inf", 1000)):
             out.append((samples.DURATION + "_bucket", {"variant": v, "le": le}, count))
@@ -165,7 +166,7 @@ def test_figures_from_metric_samples(cfg):
     assert c.latency_p50_ms == pytest.approx(100.0) and c.latency_p95_ms == pytest.approx(200.0)
     assert c.metrics["latency_ms"].mean == pytest.approx(130.0)
     assert t.metrics["feedback:thumbs_up"].mean == pytest.approx(560 / 800)  # net of the retracted values
-    assert c.means_only["tokens_per_request"] == pytest.approx(30_000 / 990)
+    assert c.means_only["tokens_per_request"] == pytest.approx(30_000 / 980)  # cache hits ran no model
     report = readout.build(cfg, e, arms, p, "prometheus")
     m = report["comparisons"][0]["metrics"]
     assert m["error_rate"]["verdict"] == "worse" and m["feedback:thumbs_up"]["verdict"] == "better"

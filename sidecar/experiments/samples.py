@@ -31,6 +31,7 @@ Sample = tuple[str, Mapping[str, str], float]
 REQUESTS = "model_experiment_requests_total"
 DURATION = "model_experiment_request_duration_seconds"
 TOKENS = "model_experiment_tokens_total"
+CACHE_HITS = "model_experiment_cache_hits_total"
 FEEDBACK = "model_experiment_feedback_total"
 FEEDBACK_VALUE = "model_experiment_feedback_value_total"
 FEEDBACK_RETRACTED = "model_experiment_feedback_value_retracted_total"
@@ -38,7 +39,7 @@ FEEDBACK_DISTRIBUTION = "model_experiment_feedback_distribution"
 SRM_P = "model_experiment_srm_p_value"
 SRM_CALLERS = "model_experiment_srm_callers"
 # Counters and histogram parts read over a window, and the labels each is summed by.
-COUNTERS = {REQUESTS: ("variant", "status"), TOKENS: ("variant", "kind"), f"{DURATION}_bucket": ("variant", "le"),
+COUNTERS = {REQUESTS: ("variant", "status"), TOKENS: ("variant", "kind"), CACHE_HITS: ("variant",), f"{DURATION}_bucket": ("variant", "le"),
             f"{DURATION}_count": ("variant",), f"{DURATION}_sum": ("variant",), FEEDBACK: ("variant", "name"),
             FEEDBACK_VALUE: ("variant", "name"), FEEDBACK_RETRACTED: ("variant", "name"),
             f"{FEEDBACK_DISTRIBUTION}_bucket": ("variant", "name", "le")}
@@ -96,7 +97,8 @@ def _arm(config: Config, experiment: Experiment, variant: str, samples: list[Sam
     arm.metrics["latency_ms"] = _moments(latency, _total(samples, f"{DURATION}_sum", variant=v), 1000.0)
     p50, p95 = _quantile(latency, 0.5), _quantile(latency, 0.95)
     arm.latency_p50_ms, arm.latency_p95_ms = (None if p is None else p * 1000 for p in (p50, p95))
-    served = _total(samples, REQUESTS, variant=v, status="success")
+    # Answers from the response cache ran no model: they carry no tokens.
+    served = _total(samples, REQUESTS, variant=v, status="success") - _total(samples, CACHE_HITS, variant=v)
     prompt = _total(samples, TOKENS, variant=v, kind="prompt")
     completion = _total(samples, TOKENS, variant=v, kind="completion")
     if served > 0 and prompt + completion > 0:
