@@ -41,8 +41,7 @@ JOIN_EVICTIONS = Counter(
     "Requests dropped from the memory join store before their TTL (capacity) or at it (expired).",
     ["reason"], registry=REGISTRY,
 )
-for _reason in ("capacity", "expired"):
-    JOIN_EVICTIONS.labels(_reason)
+_CAPACITY, _EXPIRED = JOIN_EVICTIONS.labels("capacity"), JOIN_EVICTIONS.labels("expired")  # looked up once
 
 
 class Unavailable(Exception):
@@ -87,7 +86,7 @@ class MemoryJoin:
         self._entries.move_to_end(request_id)
         while len(self._entries) > limit:
             _, old = self._entries.popitem(last=False)
-            JOIN_EVICTIONS.labels("expired" if old.expires <= now else "capacity").inc()
+            (_EXPIRED if old.expires <= now else _CAPACITY).inc()
 
     def get(self, request_id: str, now: float) -> _Entry | None:
         entry = self._entries.get(request_id)
@@ -95,7 +94,7 @@ class MemoryJoin:
             return None
         if entry.expires <= now:
             del self._entries[request_id]
-            JOIN_EVICTIONS.labels("expired").inc()
+            _EXPIRED.inc()
             return None
         self._entries.move_to_end(request_id)
         return entry
@@ -109,7 +108,7 @@ class MemoryJoin:
             if oldest.expires > now:
                 return
             del self._entries[rid]
-            JOIN_EVICTIONS.labels("expired").inc()
+            _EXPIRED.inc()
 
 
 class JoinStore:
