@@ -232,6 +232,12 @@ def cmd_pause(args) -> int:
     return run(args)
 
 
+def cmd_report(args) -> int:
+    from .experiments.report_cli import run
+
+    return run(args)
+
+
 def cmd_explain(args) -> int:
     from .explain_cli import run
 
@@ -265,6 +271,15 @@ def _add_experiments(sub) -> None:
         pz.add_argument("--experiment", required=True, help="experiment name")
         pz.add_argument("--variant", required=True, help="variant id")
         pz.set_defaults(func=cmd_pause)
+    _add_report(xsub)
+
+
+def _add_report(xsub) -> None:
+    from .experiments.report_cli import add_arguments
+
+    r = xsub.add_parser("report", help="each arm against the control arm, with intervals safe to peek at")
+    add_arguments(r)
+    r.set_defaults(func=cmd_report)
 
 
 def _add_explain(sub) -> None:

@@ -511,6 +511,29 @@ class Limit(_Model):
         return None
 
 
+class FeedbackMetric(_Model):
+    """An outcome callers report on a request (``POST /v1/feedback``), judged per arm by the readout."""
+
+    name: Name
+    type: Literal["boolean", "float"]
+    optimize: Literal["max", "min"] = "max"
+
+
+class FeedbackJoin(_Model):
+    """How long, and for how many requests, feedback can still find the arm that served a request.
+    Kept in memory per process, or in Redis (shared by replicas) when the ``redis`` section is set."""
+
+    ttl_s: Annotated[int, Field(ge=60, le=30 * 86_400)] = 86_400
+    max_requests: Annotated[int, Field(ge=1, le=10_000_000)] = 100_000  # the memory store's bound
+
+
+def _unique_feedback(metrics: list[FeedbackMetric]) -> list[FeedbackMetric]:
+    names = [m.name for m in metrics]
+    if len(set(names)) != len(names):
+        raise ValueError("feedback metric names must be unique")
+    return metrics
+
+
 class Config(_Model):
     server: Server = Server()
     envoy: Envoy = Envoy()
@@ -532,6 +555,8 @@ class Config(_Model):
     tracing: Tracing = Tracing()
     cache: Cache | None = None
     limits: list[Limit] = []
+    feedback_metrics: Annotated[list[FeedbackMetric], AfterValidator(_unique_feedback), Field(max_length=32)] = []
+    feedback: FeedbackJoin = FeedbackJoin()
 
 
 @dataclass

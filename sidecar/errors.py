@@ -16,6 +16,7 @@ Kind = Literal[
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
     "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
     "gateway_timeout", "internal", "overloaded", "rate_limited", "response_not_found", "previous_response_not_found",
+    "invalid_feedback", "request_not_found", "feedback_unavailable",
 ]
 
 # kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
@@ -43,9 +44,13 @@ _KINDS: dict[Kind, tuple[int, str, str, str]] = {
     # Responses API: a stored response the router cannot place.
     "response_not_found": (404, "invalid_request_error", "response_not_found", "not_found_error"),
     "previous_response_not_found": (400, "invalid_request_error", "previous_response_not_found", "invalid_request_error"),
+    # POST /v1/feedback: a body the router cannot take, a request id it cannot place.
+    "invalid_feedback": (400, "invalid_request_error", "invalid_feedback", "invalid_request_error"),
+    "request_not_found": (404, "invalid_request_error", "request_not_found", "not_found_error"),
+    "feedback_unavailable": (503, "server_error", "feedback_unavailable", "overloaded_error"),
 }
 # Kinds that pass by themselves soon: the reply says when to come back.
-_RETRY_AFTER: dict[Kind, str] = {"overloaded": "1", "no_backend": "1"}
+_RETRY_AFTER: dict[Kind, str] = {"overloaded": "1", "no_backend": "1", "feedback_unavailable": "1"}
 
 
 @dataclass(frozen=True)

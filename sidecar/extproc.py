@@ -35,6 +35,7 @@ from . import errors, explain, listing, metrics, routing, websearch
 from .body import named_models
 from .cache import ResponseCache
 from .errors import Reply
+from .experiments.feedback import Feedback, is_feedback, owner_of
 from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, follow_up, lookup
 from .ingress import listing_path as listing_of
@@ -172,6 +173,7 @@ class Processor(pbg.ExternalProcessorServicer):
         self._rand = random.Random(os.urandom(16))
         self.in_flight = 0
         self.cache = ResponseCache()
+        self.feedback = Feedback()
         self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
@@ -208,6 +210,9 @@ class Processor(pbg.ExternalProcessorServicer):
                 elif kind == "request_body":
                     if hop is not None:
                         yield hop.body(req.request_body)
+                        return
+                    if st.ingress is None and not st.passthrough and is_feedback(st.path):
+                        yield await self._feedback(st, req.request_body.body)
                         return
                     resp = self._request_body(st, req.request_body)
                     plan = st.route.plan if st.route is not None else None
@@ -289,6 +294,8 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(self._too_large(st), st)
         if ingress is None and (about := follow_up(st.path)) is not None:
             return self._follow_up(st, *about)
+        if ingress is None and snap.config.feedback_metrics and is_feedback(st.path):
+            return self._feedback_headers(st, msg)  # without feedback metrics the path is the backends' own
         if ingress is None:
             listing_path = listing_of(st.path)
             if listing_path is not None:
@@ -365,6 +372,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if isinstance(common, Reply):
             return self._refuse(common, st)
         st.route = route
+        self._remember(st, route)
         if route.body is not None:
             common.body_mutation.body = route.body
         md = _struct({NAMESPACE: {**route.metadata(), **st.meta(), **self._explained(st, route)}})
@@ -420,6 +428,32 @@ class Processor(pbg.ExternalProcessorServicer):
         )
         self._stores.add(task)
         task.add_done_callback(self._stores.discard)
+
+    # ------------------------------------------------------------------ feedback
+
+    @staticmethod
+    def _owner(st: _Stream) -> str:
+        caller = st.caller
+        return owner_of(caller.key.id if caller.key is not None else None, caller.api_key) if caller else ""
+
+    def _remember(self, st: _Stream, route: routing.Route) -> None:
+        """The arm that serves this request, for feedback on it (in memory: no I/O here)."""
+        plan = route.plan
+        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
+            self.feedback.record(st.snap.config, st.headers.get("x-request-id"), self._owner(st),
+                                 plan.experiment, plan.variant)
+
+    def _feedback_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        if not msg.end_of_stream:
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
+        method = st.headers.get(":method", "GET").upper()
+        kind = "method_not_allowed" if method != "POST" else "invalid_feedback"
+        message = "Feedback is sent with POST." if method != "POST" else "The body must be a JSON object."
+        return immediate(errors.error(kind, message, "openai"), st.meta())
+
+    async def _feedback(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
+        reply, meta = await self.feedback.handle(st.snap.config, st.headers.get(":method", "POST"), self._owner(st), body)
+        return immediate(reply, {**st.meta(), **meta})
 
     @staticmethod
     def _canonical_path(st: _Stream, route: routing.Route) -> None:

@@ -121,6 +121,10 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
     kind = d.get("kind")
     if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
         return None
+    if kind == "feedback":
+        from .experiments.feedback import usage_record as feedback_record
+
+        return feedback_record(d, entry.start)
     return {
         "request_id": d.get("request_id"),
         "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
@@ -132,6 +136,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "experiment_id": d.get("experiment"),
         "experiment_variant_id": d.get("variant"),
         "assignment": d.get("assignment"),
+        "caller": d.get("caller"),  # the sticky caller's hash: distinct callers in the readout
         "suffix": d.get("suffix"),
         "fallback_from": d.get("fallback_from"),
         "status": entry.status,

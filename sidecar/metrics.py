@@ -236,10 +236,17 @@ def prime(config: Config) -> None:
         for kind, on in (("requests", lim.rate is not None), ("tokens", lim.tokens is not None)):
             if on:
                 LIMIT_REFUSALS.labels(lim.model, lim.key_id or "", kind)
+    _prime_feedback(config)
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):
                 VARIANT_REQUESTS.labels(suffix, applied)
+
+
+def _prime_feedback(config: Config) -> None:
+    from .experiments import feedback
+
+    feedback.prime(config)
 
 
 STREAMS_CUT = Counter(

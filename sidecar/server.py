@@ -225,7 +225,14 @@ def _admin_app(runtime: Runtime) -> web.Application:
     app.router.add_post("/admin/config", guarded(_dry_run))
     app.router.add_post("/admin/explain", guarded(_explain))
     admin_config.add_routes(app, guarded)
+    _add_experiment_routes(app, guarded)
     return app
+
+
+def _add_experiment_routes(app: web.Application, guarded) -> None:
+    from .experiments import admin
+
+    admin.add_routes(app, guarded)
 
 
 async def _memory(_runtime: Runtime, _request: web.Request) -> web.Response:

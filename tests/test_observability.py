@@ -39,6 +39,7 @@ backends:
 proxy: {variant_suffixes: {enabled: true}}
 fallback_chains: {m-b: [m-a]}
 cache: {}
+feedback_metrics: [{name: thumbs_up, type: boolean}, {name: rating, type: float}]
 model_experiments:
   - name: e
     model: chat
@@ -166,7 +167,7 @@ def test_prometheus_scrapes_the_stack_and_every_recording_rule_yields_per_arm_se
         wait_for("the first scrape", lambda: [s for s in prom.query('up{job="model-router-sidecar"}')
                                               if s["value"][1] == "1"])
         assert {g["name"] for g in prom.get("/api/v1/rules")["data"]["groups"]} == {
-            "model-router.experiments", "model-router.alerts"}
+            "model-router.experiments", "model-router.alerts", "model-router.feedback"}
         wait_for("a scrape with the arms' series", lambda: prom.query("model_experiment_requests_total"))
         client = httpx.Client(base_url=stack.url, timeout=30)
 
@@ -194,6 +195,8 @@ def test_prometheus_scrapes_the_stack_and_every_recording_rule_yields_per_arm_se
         wait_for("durations on every arm", lambda: set(arms_of("model_experiment:request_duration_seconds:p95_5m")) == ARMS
                  and all(v > 0 for v in arms_of("model_experiment:request_duration_seconds:p95_5m").values()))
         for rule in sorted(recorded()):
+            if rule.startswith("model_experiment_feedback:"):
+                continue  # tests/test_feedback.py evaluates these on a stack that gets feedback
             if rule == "model_experiment:srm_p_value:min":
                 series = prom.query(rule)
                 assert [s["metric"] for s in series] == [{"__name__": rule, "experiment": "split"}], rule
