@@ -10,8 +10,10 @@ request path.
 Files (each a list of documents):
 
 - ``sidecar.yaml``: the config as a Secret (it may carry keys), the sidecar
-  Deployment, its Service, PodDisruptionBudget and ServiceMonitor, and a
-  Deployment and Service per ``demo://`` backend;
+  Deployment, its Service and PodDisruptionBudget, and a Deployment and
+  Service per ``demo://`` backend;
+- ``monitoring.yaml``: the ServiceMonitor and PrometheusRule
+  (:mod:`sidecar.k8s_monitoring`);
 - ``routes.yaml``: the HTTPRoute (one rule per backend matching the routing
   header, then a catch-all rule with no backend) and an ExternalName Service
   per backend outside the cluster;
@@ -175,9 +177,6 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         deployment, service,
         {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(opts.name, opts, "sidecar"),
          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(opts, "sidecar")}}},
-        {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(opts.name, opts, "sidecar"),
-         "spec": {"selector": {"matchLabels": _selector(opts, "sidecar")},
-                  "endpoints": [{"port": "http-admin", "path": "/metrics", "interval": "15s"}]}},
     ]
 
 
@@ -255,6 +254,7 @@ def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> lis
 def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list[dict]]:
     """Every file's documents, by file name."""
     from .k8s_gateways import envoy_gateway, istio
+    from .k8s_monitoring import monitoring
 
     if config.server.max_requests_per_worker:
         raise K8sError("server.max_requests_per_worker: a pod runs one sidecar process on one port (its "
@@ -269,6 +269,7 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
         "routes.yaml": httproute(config, opts, refs),
         "istio.yaml": istio(config, opts),
         "envoy-gateway.yaml": envoy_gateway(config, opts),
+        "monitoring.yaml": monitoring(opts),
     }
 
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.k8s_monitoring import SCRAPE_JOB
 from sidecar.stack import free_port
 
 # binary -> the Debian package that ships it
@@ -113,7 +114,7 @@ class RedisServer:
 @dataclass
 class PrometheusServer:
     """One ``prometheus`` on a free loopback port scraping ``targets`` (job
-    ``model-router-sidecar``) every ``interval_s`` and evaluating ``rule_files``
+    ``SCRAPE_JOB``, the ServiceMonitor's) every ``interval_s`` and evaluating ``rule_files``
     as often, with its storage in ``workdir``."""
 
     workdir: Path
@@ -138,7 +139,7 @@ class PrometheusServer:
         config = {  # JSON is YAML
             "global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
             "rule_files": [str(Path(f).resolve()) for f in self.rule_files],
-            "scrape_configs": [{"job_name": "model-router-sidecar", "static_configs": [{"targets": self.targets}]}],
+            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": self.targets}]}],
         }
         (self.workdir / "prometheus.yml").write_text(json.dumps(config), encoding="utf-8")
         log = open(self.workdir / f"prometheus-{self.port}.log", "ab")

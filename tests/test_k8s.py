@@ -30,7 +30,7 @@ def _docs(name: str) -> list[dict]:
 
 
 def _all() -> list[dict]:
-    return [d for name in ("sidecar.yaml", "routes.yaml", "istio.yaml", "envoy-gateway.yaml") for d in _docs(name)]
+    return [d for name in sorted(p.name for p in DEPLOY.glob("*.yaml")) for d in _docs(name)]
 
 
 def _template():
@@ -60,7 +60,8 @@ def test_the_schema_check_catches_a_misspelt_field():
 
 
 def _sidecar_objects() -> dict[str, dict]:
-    return {d["kind"]: d for d in _docs("sidecar.yaml") if d["metadata"]["name"].startswith("model-router")}
+    docs = _docs("sidecar.yaml") + _docs("monitoring.yaml")
+    return {d["kind"]: d for d in docs if d["metadata"]["name"].startswith("model-router")}
 
 
 def test_the_sidecar_pod_is_locked_down_and_probed():
