@@ -26,12 +26,12 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def load_config(path: str):
+def load_config(path: str, env: dict[str, str] | None = None):
     """Load a config, printing warnings; on failure print every problem and return None."""
     from .config import ConfigError, load
 
     try:
-        loaded = load(path)
+        loaded = load(path, env)
     except ConfigError as exc:
         for e in exc.errors:
             print(f"error: {e}", file=sys.stderr)
