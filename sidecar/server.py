@@ -342,7 +342,11 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    tracer = Tracer(lambda: runtime.snapshot.config.tracing)
+    def server_of(backend: str) -> tuple[str, int] | None:
+        info = runtime.snapshot.backends.get(backend)
+        return (info.host, info.port) if info is not None else None
+
+    tracer = Tracer(lambda: runtime.snapshot.config.tracing, server_of=server_of)
     sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
     metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
     meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))

@@ -95,6 +95,31 @@ def test_span_of_an_entry_carries_the_decision_and_times():
     assert spans.span_of(Entry({}, 503, 1.0, None, None, None, None, True, False), spans.Sampler()) is None
 
 
+def test_a_span_names_the_answer_the_server_and_the_error_type():
+    import dataclasses
+
+    decision = {"kind": "routed", "client_model": "chat", "upstream_model": "claude-x", "backend": "pool-a",
+                "ingress": "/anthropic/v1/messages", "family": "anthropic"}
+    entry = dataclasses.replace(_entry(**decision), answer={
+        "response_id": "msg_01", "response_model": "claude-x-2025", "finish_reason": "end_turn"})
+    ctx = spans.sampled(entry, spans.Sampler())
+    got = decode(tracing_request([spans.build(entry, ctx, server_of={"pool-a": ("10.0.0.5", 8000)}.get)]))[0]
+    attrs = got["attributes"]
+    assert (attrs["gen_ai.response.id"], attrs["gen_ai.response.model"]) == ("msg_01", "claude-x-2025")
+    assert attrs["gen_ai.response.finish_reasons"] == ["end_turn"]
+    assert (attrs["server.address"], attrs["server.port"]) == ("10.0.0.5", 8000) and "error.type" not in attrs
+    # A body renamed to the client's name does not hide the model that answered.
+    renamed = dataclasses.replace(entry, answer={"response_model": "chat"})
+    assert decode(tracing_request([spans.build(renamed, ctx)]))[0]["attributes"]["gen_ai.response.model"] == "claude-x"
+    # Errors carry error.type: the refusal code, else the status, else _OTHER.
+    for change, want in ((dict(status=503, decision={**decision, "refusal": "no_backend_available"}), "no_backend_available"),
+                         (dict(status=502), "502"), (dict(status=0, upstream_failed=True), "_OTHER")):
+        failed = dataclasses.replace(entry, **change)
+        got = decode(tracing_request([spans.build(failed, ctx)]))[0]
+        assert got["attributes"]["error.type"] == want and got["status"] == 2, (change, got)
+    assert spans.error_type(decision, 404, False) is None
+
+
 def tracing_request(span_list) -> bytes:
     from sidecar._proto import otlp_pb2
 
@@ -220,7 +245,12 @@ def test_a_span_per_request_parented_to_the_clients_trace(grpc_stack, grpc_recei
         "gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": completion.usage.completion_tokens,
         "router.key_id": "team-a",
     }
-    assert span["status"] == 0  # UNSET: a success
+    assert span["status"] == 0 and "error.type" not in attrs  # UNSET: a success
+    # What the answer says about itself, and where it came from (GenAI conventions).
+    assert attrs["gen_ai.response.id"] == completion.id and attrs["gen_ai.response.model"] == completion.model
+    demo = grpc_stack.demo_urls[backend]
+    assert f"{attrs['server.address']}:{attrs['server.port']}" == demo.split("://", 1)[1].rstrip("/")
+    assert span["schema_url"] == spans.SCHEMA_URL
     assert span["resource"]["service.name"] == "router-under-test"
     assert span["scope"] == "model-router"
     assert all(h.get("x-collector-token") == "tok" for h in grpc_receiver.headers)
