@@ -36,10 +36,10 @@ ARM = {"control": ("model-a", "pool-a"), "candidate": ("model-b", "pool-b")}
 
 
 def _json_lines(text: str) -> list[dict]:
-    """Every line of a sidecar's output but its one plain readiness line, parsed."""
+    """Every line of a sidecar's output (standard output and error), parsed."""
     out = []
     for line in text.splitlines():
-        if not line.strip() or line.startswith("model-router sidecar ready"):
+        if not line.strip():
             continue
         out.append(orjson.loads(line))  # a line that is not JSON fails the test here
     return out
@@ -94,6 +94,8 @@ def test_json_lines_for_decisions_and_refusals_never_a_key(stack):
 
     text = stack.log("sidecar-0")
     assert any(x["level"] == "info" and x["logger"] == "model_router.server" for x in _json_lines(text))
+    # The readiness line is a JSON record too, not a plain line in the stream.
+    assert any(x["msg"].startswith("model-router sidecar ready") for x in _json_lines(text))
     for secret in (KEY, WRONG_KEY, "Bearer"):
         assert secret not in text
 

@@ -129,6 +129,22 @@ def test_rules_dashboard_and_service_monitor_agree_on_the_scrape_job():
     assert k8s_monitoring.prometheus_rule(k8s.Options())["spec"] == yaml.safe_load(RULES.read_text())
 
 
+def test_importing_the_dashboard_asks_for_its_data_source():
+    """Grafana's import dialog prompts for every ``__inputs`` entry and puts
+    the choice wherever ``${NAME}`` appears; every panel reads the data source
+    variable that choice sets, and every panel type is declared."""
+    text = DASHBOARD.read_text()
+    dash = json.loads(text)
+    (ds_input,) = dash["__inputs"]
+    assert (ds_input["type"], ds_input["pluginId"]) == ("datasource", "prometheus")
+    variable = next(v for v in dash["templating"]["list"] if v["type"] == "datasource")
+    assert variable["current"]["value"] == "${%s}" % ds_input["name"]
+    targets = [p for p in dash["panels"] if p["type"] != "row"]
+    assert targets and all(p["datasource"]["uid"] == "${%s}" % variable["name"] for p in targets)
+    declared = {r["id"] for r in dash["__requires"] if r["type"] == "panel"}
+    assert {p["type"] for p in targets} <= declared
+
+
 def test_rules_read_only_exported_metrics_and_earlier_records():
     known = exported() | PROMETHEUS_OWN
     for rule in rules():
