@@ -181,12 +181,25 @@ def span_attributes(decision: Mapping[str, Any], status: int, prompt_tokens: int
     return attrs
 
 
+def upstream_traceparent(client: str | None, new_id: Callable[[int], bytes] = os.urandom) -> tuple[str, str] | None:
+    """When the client sent no valid ``traceparent``: one naming the router's
+    own span (a new trace id, the span's id), for the request to carry
+    upstream so the engine's spans join the router's trace; and that span id
+    (hex), which the decision publishes so the span is built with it."""
+    if parse_traceparent(client) is not None:
+        return None
+    span_id = new_id(8).hex()
+    return f"00-{new_id(16).hex()}-{span_id}-01", span_id
+
+
 @dataclass(frozen=True, slots=True)
 class Context:
-    """Where a sampled span goes: its trace, and the client's span when it sent one."""
+    """Where a sampled span goes: its trace, and the client's span when it sent
+    one; ``span_id`` when the router already named its span upstream."""
 
     trace_id: bytes
     parent: Parent | None
+    span_id: bytes | None = None
 
 
 def sampled(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.urandom) -> Context | None:
@@ -195,6 +208,9 @@ def sampled(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.
     if not entry.decision:
         return None
     parent = parse_traceparent(entry.traceparent, entry.tracestate)
+    if parent is not None and entry.decision.get("span_id") == parent.span_id.hex():
+        # The router made this context and sent it upstream: its span is the root.
+        return Context(parent.trace_id, None, parent.span_id) if sampler.sample(None, parent.trace_id) else None
     trace_id = parent.trace_id if parent is not None else new_id(16)
     return Context(trace_id, parent) if sampler.sample(parent, trace_id) else None
 
@@ -211,7 +227,7 @@ def build(entry: Entry, ctx: Context, new_id: Callable[[int], bytes] = os.urando
     end = start + round((entry.total_s or 0.0) * 1_000_000) * 1000
     span = make(
         trace_id=ctx.trace_id,
-        span_id=new_id(8),
+        span_id=ctx.span_id or new_id(8),
         name=SPAN_NAME,
         kind=otlp.Span.SPAN_KIND_SERVER,
         start_time_unix_nano=start,

@@ -16,7 +16,7 @@ from sidecar import spans, trace_settings
 from sidecar.config import Tracing
 from sidecar.metering import Entry
 
-from .conftest import metric, wait_metric
+from .conftest import clear_demo_requests, demo_requests, metric, wait_metric
 from .otlp import GrpcReceiver, HttpReceiver, decode
 
 KEY = "sk-trace-team-secret"
@@ -118,6 +118,21 @@ def test_a_span_names_the_answer_the_server_and_the_error_type():
         got = decode(tracing_request([spans.build(failed, ctx)]))[0]
         assert got["attributes"]["error.type"] == want and got["status"] == 2, (change, got)
     assert spans.error_type(decision, 404, False) is None
+
+
+def test_the_router_names_its_span_upstream_only_when_the_client_did_not():
+    assert spans.upstream_traceparent(f"00-{TRACE_ID}-{CLIENT_SPAN}-01") is None
+    ids = iter([bytes.fromhex(CLIENT_SPAN), bytes.fromhex(TRACE_ID)])
+    header, span_id = spans.upstream_traceparent("garbage", lambda n: next(ids))
+    assert (header, span_id) == (f"00-{TRACE_ID}-{CLIENT_SPAN}-01", CLIENT_SPAN)
+    # The access log carries the context the router sent: the span is its root, with that id.
+    import dataclasses
+
+    entry = dataclasses.replace(_entry(kind="routed", span_id=span_id), traceparent=header)
+    got = decode(tracing_request([spans.span_of(entry, spans.Sampler())]))[0]
+    assert (got["trace_id"], got["span_id"], got["parent_span_id"]) == (TRACE_ID, CLIENT_SPAN, "")
+    # A ratio sampler decides on the trace id as for any root.
+    assert spans.span_of(entry, spans.Sampler("parentbased_always_off")) is None
 
 
 def tracing_request(span_list) -> bytes:
@@ -258,15 +273,22 @@ def test_a_span_per_request_parented_to_the_clients_trace(grpc_stack, grpc_recei
 
 
 @pytest.mark.integration
-def test_a_request_without_traceparent_starts_a_new_trace(grpc_stack, grpc_receiver):
-    raw = _chat(grpc_stack, "untraced")
-    span = _by_request(grpc_receiver, raw.headers["x-request-id"])
-    assert span["parent_span_id"] == ""
-    assert span["trace_id"] not in (TRACE_ID, "0" * 32) and len(span["trace_id"]) == 32
-    # An invalid traceparent is ignored the same way.
-    raw = _chat(grpc_stack, "untraced", {"traceparent": "00-not-a-trace-01"})
-    span = _by_request(grpc_receiver, raw.headers["x-request-id"])
-    assert span["parent_span_id"] == "" and span["trace_id"] != TRACE_ID
+def test_a_request_without_traceparent_starts_a_new_trace_the_engine_joins(grpc_stack, grpc_receiver):
+    """The router's span is the root, and the request carries it upstream as
+    the engine's parent: both sides of the hop are in one trace."""
+    for sent in ({}, {"traceparent": "00-not-a-trace-01"}):  # an invalid one is ignored the same way
+        clear_demo_requests(grpc_stack)
+        raw = _chat(grpc_stack, "untraced", sent)
+        span = _by_request(grpc_receiver, raw.headers["x-request-id"])
+        assert span["parent_span_id"] == ""
+        assert span["trace_id"] not in (TRACE_ID, "0" * 32) and len(span["trace_id"]) == 32
+        (seen,) = demo_requests(grpc_stack, ARM[raw.headers["x-continuum-experiment-variant"]][1])
+        assert seen["headers"]["traceparent"] == f"00-{span['trace_id']}-{span['span_id']}-01", seen["headers"]
+    # A client's valid context goes upstream untouched.
+    clear_demo_requests(grpc_stack)
+    raw = _chat(grpc_stack, "traced", {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+    (seen,) = demo_requests(grpc_stack, ARM[raw.headers["x-continuum-experiment-variant"]][1])
+    assert seen["headers"]["traceparent"] == f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
 
 
 @pytest.mark.integration
