@@ -45,6 +45,11 @@ def load_config(path: str, env: dict[str, str] | None = None):
 
 
 def cmd_serve(args) -> int:
+    if (args.log_format or os.environ.get("MODEL_ROUTER_LOG_FORMAT") or "").strip().lower() == "json":
+        # Before gRPC loads: its C core would write plain lines into the JSON
+        # stream (the sidecar logs what it does about each failure); an
+        # operator's GRPC_VERBOSITY still wins.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from . import workers as workers_mod
     from .envoyconf import standby_addresses
     from .logs import setup as setup_logging
