@@ -69,7 +69,7 @@ def exported() -> set[str]:
 
 _FUNCTIONS = {
     "sum", "min", "max", "avg", "count", "by", "without", "on", "ignoring", "group_left", "group_right", "and",
-    "or", "unless", "rate", "increase", "irate", "histogram_quantile", "label_values", "bool", "offset",
+    "or", "unless", "rate", "increase", "irate", "histogram_quantile", "label_values", "bool", "offset", "absent",
 }
 
 
@@ -102,7 +102,7 @@ def test_promtool_rule_unit_tests_pass():
     done = subprocess.run([_promtool(), "test", "rules", RULE_TESTS.name], cwd=DEPLOY, capture_output=True, text=True)
     assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
     names = [t["name"] for t in yaml.safe_load(RULE_TESTS.read_text())["tests"]]
-    assert len(names) == 5
+    assert len(names) == 6
     alerted = {a["alertname"] for t in yaml.safe_load(RULE_TESTS.read_text())["tests"] for a in t["alert_rule_test"]}
     assert alerted == {r["alert"] for r in rules() if "alert" in r}
 
@@ -151,7 +151,7 @@ def test_rules_read_only_exported_metrics_and_earlier_records():
         assert metric_names(rule["expr"]) <= known | recorded(), rule
     assert {r["alert"] for r in rules() if "alert" in r} == {
         "ModelExperimentSampleRatioMismatch", "ModelExperimentArmErrorRateAboveControl",
-        "ModelRouterConfigReloadFailed", "ModelRouterSidecarDown",
+        "ModelRouterConfigReloadFailed", "ModelRouterSidecarDown", "ModelRouterSidecarsNotScraped",
     }
 
 
