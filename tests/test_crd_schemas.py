@@ -8,7 +8,7 @@ These schemas check types, enums, patterns, formats and required fields, as
 the API server does; like the API server they do not refuse unknown fields.
 No package registry ships Envoy Gateway's CRDs (EnvoyExtensionPolicy,
 EnvoyProxy, ClientTrafficPolicy): those are checked by what Envoy makes of
-them (tests/test_k8s.py, tests/test_envoy_gateway_live.py)."""
+them (tests/test_k8s.py, tests/test_gateways_live.py)."""
 
 from __future__ import annotations
 

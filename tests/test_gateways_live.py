@@ -1,13 +1,16 @@
-"""The Envoy Gateway recipe, run: an Envoy configured the way Envoy Gateway's
+"""The gateway recipes, run. Envoy Gateway: an Envoy configured the way its
 translator configures one from the generated resources (HTTPRoute rules as
 routes, the EnvoyExtensionPolicy's ext_proc filter disabled on the listener
 and enabled on the LLM route's rules, the ClientTrafficPolicy's early header
-removal, the EnvoyProxy's access log with its CEL match), in front of the real
-sidecar and demo engines. Per-arm metrics move, another app's route never
-meets the sidecar, and a dead sidecar gives 503."""
+removal, the EnvoyProxy's access log with its CEL match). Istio: the gateway
+built from the HTTPRoute, patched as istiod applies the EnvoyFilter. Each in
+front of the real sidecar and demo engines: per-arm metrics move, another
+app's route never meets the sidecar (Envoy Gateway), and a dead sidecar
+gives 503."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import subprocess
 import time
@@ -17,12 +20,12 @@ import httpx
 import pytest
 import yaml
 
-from sidecar import assignment, envoyconf, k8s
+from sidecar import assignment, envoyconf, k8s, k8s_gateways
 from sidecar import config as config_mod
 from sidecar.stack import envoy_binary, free_port
 
 from .conftest import metered, sidecar_metric
-from .test_k8s import TEMPLATE, _eg_ext_proc, httproute_routes
+from .test_k8s import TEMPLATE, _apply_envoy_filter, _eg_ext_proc, httproute_routes
 
 pytestmark = pytest.mark.integration
 
@@ -114,16 +117,15 @@ def _entries(stack) -> float:
     return sum(sidecar_metric(t, "model_router_access_log_entries_total") for t in stack.metrics_text())
 
 
-def test_an_envoy_gateway_proxy_meters_per_arm_and_fails_closed_with_503(stack_factory, tmp_path: Path):
-    stack = stack_factory(Path(TEMPLATE).read_text())
-    files = k8s.manifests(config_mod.load(TEMPLATE).config, "", k8s.Options())
-    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    boot = eg_bootstrap(yaml.safe_load((stack.workdir / "envoy.yaml").read_text()), files, listen, admin)
+@contextlib.contextmanager
+def running_envoy(boot: dict, tmp_path: Path):
+    """The real Envoy on ``boot``, ready, stopped afterwards."""
     (tmp_path / "envoy.yaml").write_text(envoyconf.render(boot))
     log = (tmp_path / "envoy.log").open("w")
     proc = subprocess.Popen([envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--use-dynamic-base-id",
                              "--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"],
                             stdout=log, stderr=subprocess.STDOUT)
+    admin = f"{boot['admin']['address']['socket_address']['address']}:{boot['admin']['address']['socket_address']['port_value']}"
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -134,33 +136,74 @@ def test_an_envoy_gateway_proxy_meters_per_arm_and_fails_closed_with_503(stack_f
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "envoy.log").read_text()
             time.sleep(0.1)
-        assert metered(stack, timeout=30)
-        before, entries = _arms(stack), _entries(stack)
-        callers = [f"caller-{i}" for i in range(40)]
-        want = {"control": 0, "candidate": 0}
-        for c in callers:
-            want[assignment.assign("chat-ab", [("control", 90), ("candidate", 10)], c).variant_id] += 1
-        assert want["candidate"] > 0 and want["control"] > 0
-        with httpx.Client(base_url=f"http://{listen}", timeout=30) as client:
-            for c in callers:
-                r = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {c}",
-                                                                 envoyconf.BACKEND_HEADER: "pool-b"},
-                                json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
-                assert r.status_code == 200, r.text
-                arm = assignment.assign("chat-ab", [("control", 90), ("candidate", 10)], c).variant_id
-                # The client's routing header was stripped: the arm's model answered.
-                assert r.json()["model"] == ("llama-3.1-8b" if arm == "control" else "qwen3-8b")
-            assert client.get(OTHER_APP).text == "orders"  # another app's route: no sidecar, no entry
-            deadline = time.monotonic() + 60
-            while _arms(stack) != {a: before[a] + want[a] for a in want}:
-                assert time.monotonic() < deadline, (before, _arms(stack), want)
-                time.sleep(0.2)
-            assert _entries(stack) == entries + len(callers)
-            stack.stop_sidecar()
-            r = client.post("/v1/chat/completions", headers={"authorization": "Bearer caller-1"},
-                            json={"model": "chat", "messages": []})
-            assert r.status_code == 503
+        yield
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def meters_each_arm_and_fails_closed(stack, listen: str, other_app: bool) -> None:
+    """Callers through ``listen`` move each arm's counter by exactly the
+    callers the published hash gives it (a client's routing header is
+    stripped); another app's route, when there is one, adds no entry; with
+    the sidecar stopped the answer is 503."""
+    assert metered(stack, timeout=30)
+    before, entries = _arms(stack), _entries(stack)
+    arms = [("control", 90), ("candidate", 10)]
+    callers = {f"caller-{i}": assignment.assign("chat-ab", arms, f"caller-{i}").variant_id for i in range(40)}
+    want = {arm: sum(1 for a in callers.values() if a == arm) for arm, _ in arms}
+    assert all(want.values())
+    with httpx.Client(base_url=f"http://{listen}", timeout=30) as client:
+        for caller, arm in callers.items():
+            r = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {caller}",
+                                                             envoyconf.BACKEND_HEADER: "pool-b"},
+                            json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == ("llama-3.1-8b" if arm == "control" else "qwen3-8b")
+        if other_app:
+            assert client.get(OTHER_APP).text == "orders"
+        deadline = time.monotonic() + 60
+        while _arms(stack) != {a: before[a] + want[a] for a in want}:
+            assert time.monotonic() < deadline, (before, _arms(stack), want)
+            time.sleep(0.2)
+        assert _entries(stack) == entries + len(callers)
+        stack.stop_sidecar()
+        r = client.post("/v1/chat/completions", headers={"authorization": "Bearer caller-1"},
+                        json={"model": "chat", "messages": []})
+        assert r.status_code == 503
+
+
+def test_an_envoy_gateway_proxy_meters_per_arm_and_fails_closed_with_503(stack_factory, tmp_path: Path):
+    stack = stack_factory(Path(TEMPLATE).read_text())
+    files = k8s.manifests(config_mod.load(TEMPLATE).config, "", k8s.Options())
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    boot = eg_bootstrap(yaml.safe_load((stack.workdir / "envoy.yaml").read_text()), files, listen, admin)
+    with running_envoy(boot, tmp_path):
+        meters_each_arm_and_fails_closed(stack, listen, other_app=True)
+
+
+def test_an_istio_gateway_patched_by_the_envoy_filter_meters_per_arm_and_fails_closed(stack_factory, tmp_path: Path):
+    """The gateway Istio builds for the HTTPRoute (routes from its rules, a
+    plain router, no access log), patched as istiod applies the EnvoyFilter."""
+    stack = stack_factory(Path(TEMPLATE).read_text())
+    files = k8s.manifests(config_mod.load(TEMPLATE).config, "", k8s.Options())
+    boot = copy.deepcopy(yaml.safe_load((stack.workdir / "envoy.yaml").read_text()))
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    boot["admin"]["address"] = envoyconf._addr(admin)
+    listener = boot["static_resources"]["listeners"][0]
+    listener["address"] = envoyconf._addr(listen)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    router = hcm["http_filters"][-1]
+    router["typed_config"] = {"@type": router["typed_config"]["@type"]}
+    hcm["http_filters"] = [router]
+    for key in ("early_header_mutation_extensions", "access_log", "local_reply_config"):
+        hcm.pop(key, None)
+    route = next(d for d in files["routes.yaml"] if d["kind"] == "HTTPRoute")
+    services = {r.service: b for b, r in k8s.backend_refs(config_mod.load(TEMPLATE).config, {}).items()}
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = httproute_routes(route, services)
+    _twin(boot, k8s_gateways.istio_cluster(k8s.Options()))
+    (envoy_filter,) = [d for d in files["istio.yaml"] if d["kind"] == "EnvoyFilter"]
+    _apply_envoy_filter(boot, envoy_filter)
+    with running_envoy(boot, tmp_path):
+        meters_each_arm_and_fails_closed(stack, listen, other_app=False)
