@@ -74,6 +74,15 @@ DECIDED = f"has(metadata.filter_metadata.{REPLY_NAMESPACE})"
 STATUS_ON_ERROR = 503  # a dead sidecar: 503, as the bootstrap's status_on_error
 
 
+def internal_headers() -> list[str]:
+    """Every fixed name of a request header the router sets for Envoy: what
+    Envoy Gateway's early removal (exact names only, where the bootstrap
+    strips the whole namespace) takes from a client."""
+    from .envoy_limits import INTERNAL_REQUEST_HEADERS
+
+    return [BACKEND_HEADER, RESPONSE_HEADER, *INTERNAL_REQUEST_HEADERS]
+
+
 def _sidecar_ref(opts: Options, from_namespace: str) -> dict[str, Any]:
     from .k8s import GRPC_PORT
 
@@ -130,7 +139,7 @@ def envoy_gateway(config: Config, opts: Options) -> list[dict]:
         {"apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "ClientTrafficPolicy",
          "metadata": {"name": opts.name, "namespace": ns},
          "spec": {"targetRefs": gateway,
-                  "headers": {"earlyRequestHeaders": {"remove": [BACKEND_HEADER, RESPONSE_HEADER]}},
+                  "headers": {"earlyRequestHeaders": {"remove": internal_headers()}},
                   "connection": {"bufferLimit": str(buffer_limit_bytes(config.server))}}},
     ]
     if ns != opts.namespace:

@@ -24,7 +24,7 @@ from sidecar import assignment, envoyconf, k8s, k8s_gateways
 from sidecar import config as config_mod
 from sidecar.stack import envoy_binary, free_port
 
-from .conftest import metered, sidecar_metric
+from .conftest import demo_requests, metered, sidecar_metric
 from .test_k8s import TEMPLATE, _apply_envoy_filter, _eg_ext_proc, httproute_routes
 
 pytestmark = pytest.mark.integration
@@ -157,10 +157,14 @@ def meters_each_arm_and_fails_closed(stack, listen: str, other_app: bool) -> Non
     with httpx.Client(base_url=f"http://{listen}", timeout=30) as client:
         for caller, arm in callers.items():
             r = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {caller}",
-                                                             envoyconf.BACKEND_HEADER: "pool-b"},
+                                                             envoyconf.BACKEND_HEADER: "pool-b",
+                                                             "x-model-router-limit-model": "spoof"},
                             json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
             assert r.json()["model"] == ("llama-3.1-8b" if arm == "control" else "qwen3-8b")
+        # No router header a client sent reached an engine.
+        seen = demo_requests(stack, "pool-a") + demo_requests(stack, "pool-b")
+        assert seen and not [h for r in seen for h in r["headers"] if h.startswith("x-model-router-")]
         if other_app:
             assert client.get(OTHER_APP).text == "orders"
         deadline = time.monotonic() + 60

@@ -353,7 +353,9 @@ def test_the_envoy_gateway_policy_means_the_bootstrap_s_ext_proc(tmp_path):
     service = _sidecar_objects()["Service"]
     assert (ref["name"], ref["port"]) == (service["metadata"]["name"], k8s.GRPC_PORT)
     assert next(p for p in service["spec"]["ports"] if p["port"] == k8s.GRPC_PORT)["appProtocol"] == "kubernetes.io/h2c"
-    assert client["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [envoyconf.BACKEND_HEADER, k8s.RESPONSE_HEADER]
+    removed = client["spec"]["headers"]["earlyRequestHeaders"]["remove"]
+    assert {envoyconf.BACKEND_HEADER, k8s.RESPONSE_HEADER, "x-model-router-limit-model"} <= set(removed)
+    assert all(h.startswith(envoyconf.ROUTER_HEADER_PREFIXES) for h in removed)
     assert int(client["spec"]["connection"]["bufferLimit"]) == envoyconf.buffer_limit_bytes(_template().server)
 
     cluster = "envoyextensionpolicy/model-router/model-router/extproc/0"
