@@ -26,12 +26,12 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def load_config(path: str):
+def load_config(path: str, env: dict[str, str] | None = None):
     """Load a config, printing warnings; on failure print every problem and return None."""
     from .config import ConfigError, load
 
     try:
-        loaded = load(path)
+        loaded = load(path, env)
     except ConfigError as exc:
         for e in exc.errors:
             print(f"error: {e}", file=sys.stderr)
@@ -45,6 +45,11 @@ def load_config(path: str):
 
 
 def cmd_serve(args) -> int:
+    if (args.log_format or os.environ.get("MODEL_ROUTER_LOG_FORMAT") or "").strip().lower() == "json":
+        # Before gRPC loads: its C core would write plain lines into the JSON
+        # stream (the sidecar logs what it does about each failure); an
+        # operator's GRPC_VERBOSITY still wins.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from . import workers as workers_mod
     from .envoyconf import standby_addresses
     from .logs import setup as setup_logging

@@ -362,10 +362,17 @@ _SSE_USAGE_PATHS = _USAGE_PATHS[:2] + [
 ]
 
 
-def _usage_rule(path: tuple[str, ...], key: str) -> dict:
+# What a JSON answer says about itself, for the span (GenAI conventions'
+# gen_ai.response.id / .model / .finish_reasons): the id, the model that
+# answered, Anthropic's top-level stop_reason (OpenAI's sit inside the choices
+# array, which json_to_metadata cannot select).
+_RESPONSE_FACTS = [(("id",), "response_id"), (("model",), "response_model"), (("stop_reason",), "finish_reason")]
+
+
+def _usage_rule(path: tuple[str, ...], key: str, kind: str = "NUMBER") -> dict:
     return {
         "selectors": [{"key": k} for k in path],
-        "on_present": {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": "NUMBER"},
+        "on_present": {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": kind},
     }
 
 
@@ -375,7 +382,8 @@ def json_usage_filter() -> dict:
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
             "response_rules": {
-                "rules": [_usage_rule(p, k) for p, k in _USAGE_PATHS],
+                "rules": [_usage_rule(p, k) for p, k in _USAGE_PATHS]
+                + [_usage_rule(p, k, "STRING") for p, k in _RESPONSE_FACTS],
                 # The default matches only a bare application/json; never SSE (it
                 # would hold the whole stream).
                 "allow_content_types_regex": {"regex": r"^application/json(\s*;.*)?$"},

@@ -51,6 +51,7 @@ from .response_stream import (
 from .rewrite import rewrite_json_body
 from .routing.trace import Trace
 from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
+from .spans import upstream_traceparent
 
 log = logging.getLogger("model_router.extproc")
 
@@ -114,7 +115,7 @@ class _Stream:
 
     __slots__ = (
         "snap", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
-        "raw_path", "path", "caller", "route", "trace",
+        "raw_path", "path", "caller", "route", "trace", "span_id",
     )
 
     def __init__(self) -> None:
@@ -130,6 +131,7 @@ class _Stream:
         self.caller = None
         self.route: routing.Route | None = None
         self.trace: Trace | None = None  # an operator asked for this request's decision trace
+        self.span_id: str | None = None  # the router's span, named upstream when the client sent no traceparent
 
     def meta(self) -> dict:
         """What every answer on this stream publishes besides the decision."""
@@ -141,6 +143,8 @@ class _Stream:
             out["ingress"] = self.ingress.path
         if self.caller is not None and self.caller.key is not None:
             out["key_id"] = self.caller.key.id
+        if self.span_id is not None:
+            out["span_id"] = self.span_id
         return out
 
 
@@ -478,6 +482,10 @@ class Processor(pbg.ExternalProcessorServicer):
             sets.append(("accept-encoding", "identity"))
         if plan is not None and plan.needs_response:
             sets.append((RESPONSE_HEADER, "rewrite"))  # selects the route whose upstream filter rewrites
+        own = upstream_traceparent(st.headers.get("traceparent"))
+        if own is not None:  # the engine's spans join the router's trace (docs/observability.md)
+            sets.append(("traceparent", own[0]))
+            st.span_id = own[1]
         limits = st.snap.config.envoy
         count, size = st.header_count, st.header_bytes
         for k, v in sets:

@@ -10,8 +10,10 @@ request path.
 Files (each a list of documents):
 
 - ``sidecar.yaml``: the config as a Secret (it may carry keys), the sidecar
-  Deployment, its Service, PodDisruptionBudget and ServiceMonitor, and a
-  Deployment and Service per ``demo://`` backend;
+  Deployment, its Service and PodDisruptionBudget, and a Deployment and
+  Service per ``demo://`` backend;
+- ``monitoring.yaml``: the ServiceMonitor and PrometheusRule
+  (:mod:`sidecar.k8s_monitoring`);
 - ``routes.yaml``: the HTTPRoute (one rule per backend matching the routing
   header, then a catch-all rule with no backend) and an ExternalName Service
   per backend outside the cluster;
@@ -38,6 +40,10 @@ DEMO_PORT = 8000
 CONFIG_DIR = "/etc/model-router"
 DATA_DIR = "/var/lib/model-router"  # writable (an emptyDir): usage records may go here
 LABEL = "app.kubernetes.io/name"
+# Seconds a terminating pod keeps serving before the sidecar drains: longer
+# than the gateways take to drop the endpoint (EDS push) and than the
+# readiness probe's period times its failure threshold (2 s x 2).
+PRE_STOP_S = 10
 
 
 class K8sError(ValueError):
@@ -136,7 +142,8 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         readinessProbe={"httpGet": {"path": "/readyz", "port": "http-admin"}, "periodSeconds": 2, "failureThreshold": 2},
         livenessProbe={"httpGet": {"path": "/healthz", "port": "http-admin"}, "periodSeconds": 10, "failureThreshold": 3},
         resources={"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}},
-        env=[{"name": "MODEL_ROUTER_LOG_LEVEL", "value": "INFO"}],
+        env=[{"name": "MODEL_ROUTER_LOG_LEVEL", "value": "INFO"}, *secret_env(config_text, opts)],
+        lifecycle=_pre_stop(),
         volumeMounts=[{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                       {"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
     )
@@ -152,7 +159,7 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
                 "spec": {
                     "automountServiceAccountToken": False,
                     # In-flight streams finish within drain_timeout_s after SIGTERM.
-                    "terminationGracePeriodSeconds": config.server.drain_timeout_s + 10,
+                    "terminationGracePeriodSeconds": PRE_STOP_S + config.server.drain_timeout_s + 10,
                     "securityContext": {"runAsNonRoot": True, "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
                     "volumes": [{"name": "config", "secret": {"secretName": secret}},
@@ -175,10 +182,64 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         deployment, service,
         {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(opts.name, opts, "sidecar"),
          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(opts, "sidecar")}}},
-        {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(opts.name, opts, "sidecar"),
-         "spec": {"selector": {"matchLabels": _selector(opts, "sidecar")},
-                  "endpoints": [{"port": "http-admin", "path": "/metrics", "interval": "15s"}]}},
     ]
+
+
+def env_secret(opts: Options) -> str:
+    """The Secret (made by the operator) holding the config's ``${ENV}`` values."""
+    return f"{opts.name}-env"
+
+
+def env_references(config_text: str) -> dict[str, bool]:
+    """Every ``${NAME}`` the config refers to, and whether it has a default."""
+    from .config import _ENV_RE
+
+    found: dict[str, bool] = {}
+    for m in _ENV_RE.finditer(config_text):
+        found[m.group(1)] = found.get(m.group(1), True) and m.group(2) is not None
+    return found
+
+
+def secret_env(config_text: str, opts: Options) -> list[dict]:
+    """The pod's environment for the config's ``${ENV}`` references, each from
+    the env Secret; a reference without a default is required (the pod waits
+    for the Secret rather than start with a config it cannot load)."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": env_secret(opts), "key": name,
+                                                          **({"optional": True} if default else {})}}}
+            for name, default in sorted(env_references(config_text).items())]
+
+
+def _pre_stop() -> dict:
+    # Native sleep (Kubernetes >= 1.30): no shell in the image is needed.
+    return {"preStop": {"sleep": {"seconds": PRE_STOP_S}}}
+
+
+def refuse_unenforced(config: Config) -> None:
+    """What a gateway's Envoy cannot do for this config is refused here, not
+    left silently undone: rates and token budgets (Envoy's rate-limit filters
+    and streamed usage are only in the product's bootstrap) and the response
+    rename (its response processor rides on the bootstrap's upstream filter)."""
+    for i, lim in enumerate(config.limits):
+        if lim.requests_per_second or lim.requests_per_minute or lim.tokens:
+            raise K8sError(f"limits[{i}]: request rates and token budgets are enforced by filters only the "
+                           "product's own Envoy bootstrap has (model-router envoy-config); a gateway would "
+                           "admit every request. Remove limits: for a gateway deployment")
+    for e in config.model_experiments:
+        if e.response_model == "client":
+            raise K8sError(f"model_experiments '{e.name}'.response_model: client needs the response processor "
+                           "only the product's own Envoy bootstrap has; a gateway would answer with the "
+                           "upstream model. Use response_model: upstream")
+
+
+def backend_tls_policies(opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
+    """Gateway API: TLS from the gateway to every ``https://`` backend,
+    checked against the system's CAs for the backend's own host name."""
+    return [{
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "BackendTLSPolicy",
+        "metadata": _meta(r.service, opts, "backend", **({"namespace": r.namespace} if r.namespace else {})),
+        "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": r.service}],
+                 "validation": {"wellKnownCACertificates": "System", "hostname": r.host}},
+    } for r in refs.values() if r.tls]
 
 
 def _demo_engines(config: Config, opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
@@ -249,12 +310,13 @@ def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> lis
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": _meta(opts.name, opts, "routes"),
         "spec": {"parentRefs": [parent], "rules": rules},
     }
-    return [route, *externals]
+    return [route, *externals, *backend_tls_policies(opts, refs)]
 
 
 def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list[dict]]:
     """Every file's documents, by file name."""
-    from .k8s_gateways import envoy_gateway, istio
+    from .k8s_gateways import envoy_gateway, istio, istio_tls
+    from .k8s_monitoring import monitoring
 
     if config.server.max_requests_per_worker:
         raise K8sError("server.max_requests_per_worker: a pod runs one sidecar process on one port (its "
@@ -263,12 +325,14 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
         raise K8sError("fallback_attempts: moving a failed attempt to the next hop needs Envoy's composite "
                        "clusters, which only the product's own bootstrap has; set fallback_attempts: 0 "
                        "(fallback_chains still apply when the sidecar decides)")
+    refuse_unenforced(config)
     refs = backend_refs(config, opts.backend_urls)
     return {
         "sidecar.yaml": _sidecar(config, config_text, opts, refs) + _demo_engines(config, opts, refs),
         "routes.yaml": httproute(config, opts, refs),
-        "istio.yaml": istio(config, opts),
+        "istio.yaml": istio(config, opts) + istio_tls(config, opts),
         "envoy-gateway.yaml": envoy_gateway(config, opts),
+        "monitoring.yaml": monitoring(opts),
     }
 
 

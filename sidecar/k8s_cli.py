@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -25,14 +26,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .cli import _pairs, load_config
 
-    loaded = load_config(args.config)
+    try:
+        text = Path(args.config).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"error: cannot read {args.config}: {exc}", file=sys.stderr)
+        return 1
+    # The pod takes ${ENV} values from a Secret, not from this shell: a
+    # reference unset here is checked with a stand-in value.
+    env = {name: "set-in-the-pod" for name in k8s.env_references(text)} | dict(os.environ)
+    loaded = load_config(args.config, env)
     if loaded is None:
         return 1
     opts = k8s.Options(namespace=args.namespace, name=args.name, image=args.image, replicas=args.replicas,
                        gateway=args.gateway, gateway_namespace=args.gateway_namespace,
                        backend_urls=_pairs(args.backend_url, "--backend-url"))
     try:
-        files = k8s.manifests(loaded.config, Path(args.config).read_text(encoding="utf-8"), opts)
+        files = k8s.manifests(loaded.config, text, opts)
     except k8s.K8sError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -82,10 +82,30 @@ def log_format(requested: str | None = None) -> str:
     return fmt
 
 
+_chosen = "text"
+
+
+def announce(message: str) -> None:
+    """A line for whoever started the process, on standard output: plain
+    text, or under the JSON format one JSON record like every other line."""
+    if _chosen == "json":
+        record = logging.LogRecord("model_router", logging.INFO, __file__, 0, message, None, None)
+        message = JsonFormatter().format(record)
+    print(message, flush=True)
+
+
+def fatal(message: str) -> NoReturn:
+    """Log why the process cannot run, in the chosen format, and exit 1."""
+    logging.getLogger("model_router").critical(message)
+    raise SystemExit(1)
+
+
 def setup(requested: str | None = None) -> None:
     """Send every logger's lines to standard error in the chosen format."""
+    global _chosen
+    _chosen = log_format(requested)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format(requested) == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if _chosen == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("MODEL_ROUTER_LOG_LEVEL", "INFO").upper())

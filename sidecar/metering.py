@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -56,6 +56,7 @@ class Entry:
     rate_limited: bool = False  # Envoy's request-rate filter refused it
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
+    answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
 
 
 def _seconds(d) -> float | None:
@@ -94,7 +95,11 @@ def entry_of(log_entry) -> Entry:
         rate_limited=flags.rate_limited,
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
+        answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
     )
+
+
+_ANSWER_KEYS = ("response_id", "response_model", "finish_reason")
 
 
 def _plain(struct) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from . import config as config_mod
 from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from .extproc import Processor
-from .logs import DecisionLog
+from .logs import DecisionLog, announce, fatal
 from .logs import setup as setup_logging
 from .metering import AccessLogService, JsonLinesSink, Meter
 from .ratelimit_service import RateLimitService
@@ -349,7 +349,11 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    tracer = Tracer(lambda: runtime.snapshot.config.tracing)
+    def server_of(backend: str) -> tuple[str, int] | None:
+        info = runtime.snapshot.backends.get(backend)
+        return (info.host, info.port) if info is not None else None
+
+    tracer = Tracer(lambda: runtime.snapshot.config.tracing, server_of=server_of)
     sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
     metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
     meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))
@@ -369,7 +373,7 @@ async def serve_async(
     except RuntimeError:
         port = 0
     if port == 0:
-        raise SystemExit(f"error: cannot listen for gRPC on {grpc_listen} (address in use?)")
+        fatal(f"cannot listen for gRPC on {grpc_listen} (address in use?)")
     await server.start()
     tracer.start()
 
@@ -381,7 +385,7 @@ async def serve_async(
         await site.start()
     except OSError as exc:
         await server.stop(grace=0)
-        raise SystemExit(f"error: cannot listen for the admin port on {admin_listen}: {exc.strerror}") from None
+        fatal(f"cannot listen for the admin port on {admin_listen}: {exc.strerror}")
     from .monitor import Monitor
 
     for reason, n in workers.restarts_so_far().items():
@@ -392,7 +396,7 @@ async def serve_async(
     runtime.ready = True
     await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
-    print(f"model-router sidecar ready: gRPC {grpc_listen}, admin http://{admin_listen}", flush=True)
+    announce(f"model-router sidecar ready: gRPC {grpc_listen}, admin http://{admin_listen}")
     workers.notify("ready")
 
     stop = asyncio.Event()

@@ -24,6 +24,8 @@ from ._proto import otlp_pb2 as otlp
 from .metering import Entry, status_class
 
 SPAN_NAME = "router.request"
+# The semantic-conventions version the attribute names follow (gen_ai.provider.name: 1.37).
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 _SAMPLED = 0x01
@@ -122,7 +124,10 @@ def add_attributes(into: Any, items: Mapping[str, Any]) -> None:
         if v is None or v == "":
             continue
         value = into.add(key=k).value
-        if isinstance(v, bool):
+        if isinstance(v, list):
+            for item in v:
+                value.array_value.values.add(string_value=str(item))
+        elif isinstance(v, bool):
             value.bool_value = v
         elif isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
             value.int_value = int(v)
@@ -132,8 +137,31 @@ def add_attributes(into: Any, items: Mapping[str, Any]) -> None:
             value.string_value = str(v)
 
 
+def _answer_attributes(decision: Mapping[str, Any], answer: Mapping[str, str]) -> dict[str, Any]:
+    """What the answer says about itself. The model is the one that answered,
+    unless the body was renamed to the client's name on its way out."""
+    attrs: dict[str, Any] = {}
+    if "response_id" in answer:
+        attrs["gen_ai.response.id"] = answer["response_id"]
+    model = answer.get("response_model")
+    if model and model != decision.get("client_model"):
+        attrs["gen_ai.response.model"] = model
+    if "finish_reason" in answer:
+        attrs["gen_ai.response.finish_reasons"] = [answer["finish_reason"]]
+    return attrs
+
+
+def error_type(decision: Mapping[str, Any], status: int, failed: bool) -> str | None:
+    """``error.type`` for a request that ended in an error (None otherwise):
+    the router's refusal code, else the status code, else ``_OTHER``."""
+    if not (status >= 500 or failed or (status == 0)):
+        return None
+    return str(decision.get("refusal") or (status if status else "_OTHER"))
+
+
 def span_attributes(decision: Mapping[str, Any], status: int, prompt_tokens: int | None,
-                    completion_tokens: int | None) -> dict[str, Any]:
+                    completion_tokens: int | None, answer: Mapping[str, str] | None = None,
+                    server: tuple[str, int] | None = None) -> dict[str, Any]:
     attrs: dict[str, Any] = {}
     operation = _OPERATIONS.get(str(decision.get("ingress", "")))
     if operation is not None:
@@ -147,15 +175,31 @@ def span_attributes(decision: Mapping[str, Any], status: int, prompt_tokens: int
         attrs["gen_ai.usage.input_tokens"] = prompt_tokens
     if completion_tokens is not None:
         attrs["gen_ai.usage.output_tokens"] = completion_tokens
+    attrs.update(_answer_attributes(decision, answer or {}))
+    if server is not None:
+        attrs["server.address"], attrs["server.port"] = server
     return attrs
+
+
+def upstream_traceparent(client: str | None, new_id: Callable[[int], bytes] = os.urandom) -> tuple[str, str] | None:
+    """When the client sent no valid ``traceparent``: one naming the router's
+    own span (a new trace id, the span's id), for the request to carry
+    upstream so the engine's spans join the router's trace; and that span id
+    (hex), which the decision publishes so the span is built with it."""
+    if parse_traceparent(client) is not None:
+        return None
+    span_id = new_id(8).hex()
+    return f"00-{new_id(16).hex()}-{span_id}-01", span_id
 
 
 @dataclass(frozen=True, slots=True)
 class Context:
-    """Where a sampled span goes: its trace, and the client's span when it sent one."""
+    """Where a sampled span goes: its trace, and the client's span when it sent
+    one; ``span_id`` when the router already named its span upstream."""
 
     trace_id: bytes
     parent: Parent | None
+    span_id: bytes | None = None
 
 
 def sampled(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.urandom) -> Context | None:
@@ -164,21 +208,26 @@ def sampled(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.
     if not entry.decision:
         return None
     parent = parse_traceparent(entry.traceparent, entry.tracestate)
+    if parent is not None and entry.decision.get("span_id") == parent.span_id.hex():
+        # The router made this context and sent it upstream: its span is the root.
+        return Context(parent.trace_id, None, parent.span_id) if sampler.sample(None, parent.trace_id) else None
     trace_id = parent.trace_id if parent is not None else new_id(16)
     return Context(trace_id, parent) if sampler.sample(parent, trace_id) else None
 
 
 def build(entry: Entry, ctx: Context, new_id: Callable[[int], bytes] = os.urandom,
-          make: Callable[..., otlp.Span] = otlp.Span) -> otlp.Span:
+          make: Callable[..., otlp.Span] = otlp.Span,
+          server_of: Callable[[str], tuple[str, int] | None] = lambda backend: None) -> otlp.Span:
     """The span of one access-log entry. ``make`` creates it (a batch's
-    ``spans.add`` builds it in place, without a copy)."""
+    ``spans.add`` builds it in place, without a copy); ``server_of`` gives a
+    backend's host and port (``server.address`` / ``server.port``)."""
     parent = ctx.parent
     # Microseconds: what a float of unix seconds holds exactly.
     start = round(entry.start * 1_000_000) * 1000
     end = start + round((entry.total_s or 0.0) * 1_000_000) * 1000
     span = make(
         trace_id=ctx.trace_id,
-        span_id=new_id(8),
+        span_id=ctx.span_id or new_id(8),
         name=SPAN_NAME,
         kind=otlp.Span.SPAN_KIND_SERVER,
         start_time_unix_nano=start,
@@ -186,12 +235,17 @@ def build(entry: Entry, ctx: Context, new_id: Callable[[int], bytes] = os.urando
         flags=_SAMPLED | _HAS_IS_REMOTE | (_IS_REMOTE if parent is not None else 0),
     )
     decision = entry.decision
-    add_attributes(span.attributes, span_attributes(decision, entry.status, entry.prompt_tokens,
-                                                    entry.completion_tokens))
+    backend = decision.get("backend")
+    server = server_of(backend) if isinstance(backend, str) else None
+    failed = status_class(entry) == "server_error" or entry.upstream_failed
+    attrs = span_attributes(decision, entry.status, entry.prompt_tokens, entry.completion_tokens, entry.answer, server)
+    if failed:
+        attrs["error.type"] = error_type(decision, entry.status, True)
+    add_attributes(span.attributes, attrs)
     if parent is not None:
         span.parent_span_id = parent.span_id
         span.trace_state = parent.state
-    if status_class(entry) == "server_error" or entry.upstream_failed:
+    if failed:
         span.status.code = otlp.Status.STATUS_CODE_ERROR
         span.status.message = decision.get("refusal") or f"status {entry.status}"
     return span

@@ -30,7 +30,7 @@ from . import metrics
 from ._proto import otlp_pb2 as otlp
 from .config import Tracing
 from .metering import Entry
-from .spans import add_attributes, build, sampled
+from .spans import SCHEMA_URL, add_attributes, build, sampled
 from .trace_settings import Settings, resolve
 
 log = logging.getLogger("model_router.tracing")
@@ -115,8 +115,10 @@ class Tracer:
     """
 
     def __init__(self, config: Callable[[], Tracing], env: Mapping[str, str] | None = None,
-                 new_id: Callable[[int], bytes] = os.urandom) -> None:
+                 new_id: Callable[[int], bytes] = os.urandom,
+                 server_of: Callable[[str], tuple[str, int] | None] = lambda backend: None) -> None:
         self._config = config
+        self._server_of = server_of
         self._env = os.environ if env is None else env
         self._new_id = new_id
         self._cfg: Tracing | None = None
@@ -160,7 +162,7 @@ class Tracer:
                 metrics.TRACE_SPANS_DROPPED.labels("queue_full").inc()
                 return
             spans = self._filling(settings)
-            build(entry, ctx, self._new_id, spans.add)
+            build(entry, ctx, self._new_id, spans.add, self._server_of)
         except Exception:  # a span is never worth the rest of the batch's accounting
             log.exception("tracing: no span for an access-log entry")
             return
@@ -177,7 +179,7 @@ class Tracer:
         request = otlp.ExportTraceServiceRequest()
         resource_spans = request.resource_spans.add()
         add_attributes(resource_spans.resource.attributes, dict(settings.resource))
-        resource_spans.scope_spans.add(scope=SCOPE)
+        resource_spans.scope_spans.add(scope=SCOPE, schema_url=SCHEMA_URL)
         self._batches.append(request)
         return resource_spans.scope_spans[0].spans
 

@@ -26,7 +26,6 @@ import selectors
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -238,6 +237,6 @@ class Supervisor:
 def serve_workers(worker_argv: Callable[[int, bool], list[str]], addresses: list[str], count: int) -> int:
     busy = [a for a in addresses if a and port_in_use(a)]
     if busy:
-        print(f"error: {', '.join(busy)} already in use (is another model-router running?)", file=sys.stderr)
+        log.error("%s already in use (is another model-router running?)", ", ".join(busy))  # in the log's format
         return 1
     return Supervisor(worker_argv, count).run()

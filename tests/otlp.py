@@ -21,6 +21,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 def _value(v) -> Any:
     which = v.WhichOneof("value")
+    if which == "array_value":
+        return [_value(x) for x in v.array_value.values]
     return getattr(v, which) if which else None
 
 
@@ -46,6 +48,7 @@ def decode(body: bytes) -> list[dict]:
                     "attributes": {kv.key: _value(kv.value) for kv in sp.attributes},
                     "resource": resource,
                     "scope": scope.name,
+                    "schema_url": ss.schema_url,
                 })
     return out
 

@@ -1,5 +1,6 @@
 """Server binaries the tests start (Redis, Prometheus), the tools they run
-(docker-compose renders the compose file without a daemon), and their installer.
+(docker-compose renders the compose file without a daemon; node runs the
+upstream CRD schemas of tests/crd), and their installer.
 
 ``python -m tests.servers`` installs whichever of them is missing from Debian's
 packages; the README's test command runs it before pytest so a fresh machine
@@ -17,11 +18,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.k8s_monitoring import SCRAPE_JOB
 from sidecar.stack import free_port
 
 # binary -> the Debian package that ships it
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
-            "docker-compose": "docker-compose"}
+            "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm"}
+# The upstream CRD schemas (npm packages, pinned by tests/crd/package-lock.json)
+# that tests/test_crd_schemas.py validates the generated custom resources against.
+CRD_SCHEMAS = Path(__file__).resolve().parent / "crd"
 
 
 def missing() -> dict[str, str]:
@@ -29,6 +34,22 @@ def missing() -> dict[str, str]:
 
 
 def install() -> int:
+    done = install_binaries()
+    return done or install_crd_schemas()
+
+
+def install_crd_schemas() -> int:
+    if (CRD_SCHEMAS / "node_modules").is_dir():
+        return 0
+    print("servers: installing the CRD schema packages (npm ci in tests/crd)", flush=True)
+    done = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=CRD_SCHEMAS,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        print(f"servers: npm ci in {CRD_SCHEMAS} failed:\n{done.stderr}", file=sys.stderr)
+    return done.returncode
+
+
+def install_binaries() -> int:
     need = sorted(set(missing().values()))
     if not need:
         print("servers: " + ", ".join(f"{b}={shutil.which(b)}" for b in BINARIES))
@@ -113,7 +134,7 @@ class RedisServer:
 @dataclass
 class PrometheusServer:
     """One ``prometheus`` on a free loopback port scraping ``targets`` (job
-    ``model-router-sidecar``) every ``interval_s`` and evaluating ``rule_files``
+    ``SCRAPE_JOB``, the ServiceMonitor's) every ``interval_s`` and evaluating ``rule_files``
     as often, with its storage in ``workdir``."""
 
     workdir: Path
@@ -138,7 +159,7 @@ class PrometheusServer:
         config = {  # JSON is YAML
             "global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
             "rule_files": [str(Path(f).resolve()) for f in self.rule_files],
-            "scrape_configs": [{"job_name": "model-router-sidecar", "static_configs": [{"targets": self.targets}]}],
+            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": self.targets}]}],
         }
         (self.workdir / "prometheus.yml").write_text(json.dumps(config), encoding="utf-8")
         log = open(self.workdir / f"prometheus-{self.port}.log", "ab")

@@ -30,7 +30,7 @@ def _docs(name: str) -> list[dict]:
 
 
 def _all() -> list[dict]:
-    return [d for name in ("sidecar.yaml", "routes.yaml", "istio.yaml", "envoy-gateway.yaml") for d in _docs(name)]
+    return [d for name in sorted(p.name for p in DEPLOY.glob("*.yaml")) for d in _docs(name)]
 
 
 def _template():
@@ -60,7 +60,8 @@ def test_the_schema_check_catches_a_misspelt_field():
 
 
 def _sidecar_objects() -> dict[str, dict]:
-    return {d["kind"]: d for d in _docs("sidecar.yaml") if d["metadata"]["name"].startswith("model-router")}
+    docs = _docs("sidecar.yaml") + _docs("monitoring.yaml")
+    return {d["kind"]: d for d in docs if d["metadata"]["name"].startswith("model-router")}
 
 
 def test_the_sidecar_pod_is_locked_down_and_probed():
@@ -120,7 +121,7 @@ backends:
   - {name: short, url: "http://tgi:80"}
 """).config
     docs = k8s.manifests(cfg, "", k8s.Options())
-    route, external = docs["routes.yaml"]
+    route, external, tls = docs["routes.yaml"]
     refs = [r["backendRefs"][0] for r in route["spec"]["rules"][:-1]]
     assert refs == [{"kind": "Service", "name": "backend-hosted", "port": 443},
                     {"kind": "Service", "name": "vllm", "port": 8000, "namespace": "llm"},
@@ -129,6 +130,57 @@ backends:
     assert external["spec"] == {"type": "ExternalName", "externalName": "api.example.com",
                                 "ports": [{"name": "https", "port": 443}]}
     assert kubernetes_validate.validate(external, K8S_VERSION, strict=True)
+    # TLS to port 443, never plaintext: Gateway API's BackendTLSPolicy, Istio's DestinationRule.
+    assert tls["kind"] == "BackendTLSPolicy" and tls["spec"] == {
+        "targetRefs": [{"group": "", "kind": "Service", "name": "backend-hosted"}],
+        "validation": {"wellKnownCACertificates": "System", "hostname": "api.example.com"}}
+    rules = [d for d in docs["istio.yaml"] if d["kind"] == "DestinationRule"]
+    assert [r["spec"] for r in rules] == [{"host": "backend-hosted.model-router.svc.cluster.local",
+                                           "trafficPolicy": {"tls": {"mode": "SIMPLE", "sni": "api.example.com"}}}]
+
+
+def test_env_references_come_from_a_secret_in_the_pod(tmp_path, monkeypatch):
+    """A config with ${ENV} secrets is generated without the values at hand
+    and runs in the pod: each reference is an env var from the env Secret."""
+    monkeypatch.delenv("HOSTED_KEY", raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text('backends:\n  - {name: hosted, url: "https://api.example.com", type: openai, api_key: "${HOSTED_KEY}"}\n'
+                    '  - {name: local, url: "http://vllm:8000", api_key: "${LOCAL_KEY:-none}"}\n')
+    out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    deployment = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "Deployment")
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HOSTED_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "model-router-env", "key": "HOSTED_KEY"}}
+    assert env["LOCAL_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    secret = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "Secret")
+    assert "${HOSTED_KEY}" in secret["stringData"]["config.yaml"] and "set-in-the-pod" not in out.stdout
+    assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+def test_a_terminating_pod_keeps_serving_until_the_gateway_has_let_go():
+    pod = _sidecar_objects()["Deployment"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    probe = c["readinessProbe"]
+    assert sleep > probe["periodSeconds"] * probe["failureThreshold"]
+    assert pod["terminationGracePeriodSeconds"] > sleep + _template().server.drain_timeout_s
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("limits: [{model: m, requests_per_second: 5}]\n", "limits[0]: request rates and token budgets"),
+    ("limits: [{model: m, tokens: 1000}]\n", "limits[0]: request rates and token budgets"),
+    ("model_experiments: [{name: e, model: chat, response_model: client, variants: [{id: a, model: m, weight: 1}]}]\n",
+     "model_experiments 'e'.response_model: client needs the response processor"),
+])
+def test_what_a_gateway_would_silently_skip_is_refused(tmp_path, extra, message):
+    path = tmp_path / "c.yaml"
+    path.write_text("backends: [{name: a, url: 'http://a:8000', models: [m]}]\n" + extra)
+    out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 1 and f"error: {message}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    ok = subprocess.run([sys.executable, "-m", "sidecar", "config", "validate", str(path)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr  # a valid config: only the gateway cannot carry it
 
 
 def test_what_the_manifests_cannot_express_is_refused(tmp_path):
@@ -282,26 +334,35 @@ def _eg_ext_proc(spec: dict, cluster: str) -> dict:
         "message_timeout": f"{ms / 1000:.3f}s",
         "allow_mode_override": mode.get("allowModeOverride", False),
         "metadata_options": {"receiving_namespaces": {"untyped": spec["metadata"]["writableNamespaces"]}},
+        **({"status_on_error": {"code": spec["statusOnError"]}} if "statusOnError" in spec else {}),
         "processing_mode": {"request_header_mode": req_h, "request_body_mode": req_b, "response_header_mode": resp_h,
                             "response_body_mode": resp_b, "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
     }}
 
 
 def test_the_envoy_gateway_policy_means_the_bootstrap_s_ext_proc(tmp_path):
-    policy, client = _docs("envoy-gateway.yaml")
-    assert (policy["kind"], client["kind"]) == ("EnvoyExtensionPolicy", "ClientTrafficPolicy")
-    assert policy["spec"]["targetRefs"] == client["spec"]["targetRefs"]
+    policy, proxy, client = _docs("envoy-gateway.yaml")
+    assert (policy["kind"], proxy["kind"], client["kind"]) == ("EnvoyExtensionPolicy", "EnvoyProxy", "ClientTrafficPolicy")
+    # The ext_proc filter runs on the LLM route only; the header guard on the whole listener.
+    route = next(d for d in _docs("routes.yaml") if d["kind"] == "HTTPRoute")
+    assert policy["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
+                                             "name": route["metadata"]["name"]}]
+    assert policy["metadata"]["namespace"] == route["metadata"]["namespace"]
+    assert client["spec"]["targetRefs"][0]["kind"] == "Gateway"
     (ref,) = policy["spec"]["extProc"][0]["backendRefs"]
     service = _sidecar_objects()["Service"]
     assert (ref["name"], ref["port"]) == (service["metadata"]["name"], k8s.GRPC_PORT)
     assert next(p for p in service["spec"]["ports"] if p["port"] == k8s.GRPC_PORT)["appProtocol"] == "kubernetes.io/h2c"
-    assert client["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [envoyconf.BACKEND_HEADER, k8s.RESPONSE_HEADER]
+    removed = client["spec"]["headers"]["earlyRequestHeaders"]["remove"]
+    assert {envoyconf.BACKEND_HEADER, k8s.RESPONSE_HEADER, "x-model-router-limit-model"} <= set(removed)
+    assert all(h.startswith(envoyconf.ROUTER_HEADER_PREFIXES) for h in removed)
     assert int(client["spec"]["connection"]["bufferLimit"]) == envoyconf.buffer_limit_bytes(_template().server)
 
     cluster = "envoyextensionpolicy/model-router/model-router/extproc/0"
     ext_proc = _eg_ext_proc(policy["spec"]["extProc"][0], cluster)
     own = envoyconf.decision_filter(_template())["typed_config"]
-    for key in ("processing_mode", "message_timeout", "failure_mode_allow", "allow_mode_override", "metadata_options"):
+    for key in ("processing_mode", "message_timeout", "failure_mode_allow", "allow_mode_override", "metadata_options",
+                "status_on_error"):
         assert ext_proc["typed_config"][key] == own[key], key
     boot = _base()
     _add_cluster(boot, cluster)
@@ -312,11 +373,15 @@ def test_the_envoy_gateway_policy_means_the_bootstrap_s_ext_proc(tmp_path):
 def test_gateway_recipes_in_another_namespace_reach_the_sidecar_across_it():
     opts = k8s.Options(namespace="llm", gateway="edge", gateway_namespace="gateways")
     files = k8s.manifests(_template(), "", opts)
-    policy, _client, grant = files["envoy-gateway.yaml"]
-    assert policy["metadata"]["namespace"] == "gateways"
-    assert policy["spec"]["extProc"][0]["backendRefs"][0]["namespace"] == "llm"
+    policy, proxy, client, grant = files["envoy-gateway.yaml"]
+    # The policy sits with the HTTPRoute it targets and the sidecar it calls.
+    assert policy["metadata"]["namespace"] == "llm" and "namespace" not in policy["spec"]["extProc"][0]["backendRefs"][0]
+    # The EnvoyProxy and the ClientTrafficPolicy sit with the Gateway; the access log crosses over.
+    assert proxy["metadata"]["namespace"] == client["metadata"]["namespace"] == "gateways"
+    als = proxy["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]["als"]
+    assert als["backendRefs"][0]["namespace"] == "llm"
     assert grant["kind"] == "ReferenceGrant" and grant["metadata"]["namespace"] == "llm"
-    assert grant["spec"]["from"] == [{"group": "gateway.envoyproxy.io", "kind": "EnvoyExtensionPolicy", "namespace": "gateways"}]
+    assert grant["spec"]["from"] == [{"group": "gateway.envoyproxy.io", "kind": "EnvoyProxy", "namespace": "gateways"}]
     (envoy_filter,) = files["istio.yaml"]
     assert envoy_filter["metadata"]["namespace"] == "gateways"
     assert envoy_filter["spec"]["workloadSelector"]["labels"] == {k8s_gateways.GATEWAY_LABEL: "edge"}

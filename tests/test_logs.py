@@ -36,10 +36,10 @@ ARM = {"control": ("model-a", "pool-a"), "candidate": ("model-b", "pool-b")}
 
 
 def _json_lines(text: str) -> list[dict]:
-    """Every line of a sidecar's output but its one plain readiness line, parsed."""
+    """Every line of a sidecar's output (standard output and error), parsed."""
     out = []
     for line in text.splitlines():
-        if not line.strip() or line.startswith("model-router sidecar ready"):
+        if not line.strip():
             continue
         out.append(orjson.loads(line))  # a line that is not JSON fails the test here
     return out
@@ -94,6 +94,8 @@ def test_json_lines_for_decisions_and_refusals_never_a_key(stack):
 
     text = stack.log("sidecar-0")
     assert any(x["level"] == "info" and x["logger"] == "model_router.server" for x in _json_lines(text))
+    # The readiness line is a JSON record too, not a plain line in the stream.
+    assert any(x["msg"].startswith("model-router sidecar ready") for x in _json_lines(text))
     for secret in (KEY, WRONG_KEY, "Bearer"):
         assert secret not in text
 
@@ -121,3 +123,25 @@ def test_text_is_the_default_and_fields_follow_the_message(monkeypatch, capsys):
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_sidecar_that_cannot_start_says_why_in_json(tmp_path, workers):
+    """Under the JSON format even the reason a sidecar cannot start is a JSON
+    record (one worker: the gRPC listen fails; several: the supervisor's check)."""
+    import socket
+    import subprocess
+    import sys
+
+    config = tmp_path / "c.yaml"
+    config.write_text('backends: [{name: a, url: "http://127.0.0.1:9", models: [m]}]\n')
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--config", str(config), "--log-format", "json",
+                              "--workers", workers, "--grpc-listen", f"127.0.0.1:{port}",
+                              "--admin-listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    records = _json_lines(out.stdout + out.stderr)
+    assert any(f"127.0.0.1:{port}" in r["msg"] and r["level"] in ("error", "critical") for r in records), records

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar import metrics, srm
+from sidecar import k8s, k8s_monitoring, metrics, srm
 from sidecar.config import parse
 from tests.servers import PrometheusServer
 
@@ -29,6 +29,7 @@ from .test_srm import refusing  # noqa: F401  (the fixture: an upstream answerin
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "observability"
 RULES = DEPLOY / "model-router.rules.yml"
 DASHBOARD = DEPLOY / "model-router.dashboard.json"
+RULE_TESTS = DEPLOY / "model-router.rules.test.yml"
 
 # Scraper-made series.
 PROMETHEUS_OWN = {"up"}
@@ -69,7 +70,7 @@ def exported() -> set[str]:
 
 _FUNCTIONS = {
     "sum", "min", "max", "avg", "count", "by", "without", "on", "ignoring", "group_left", "group_right", "and",
-    "or", "unless", "rate", "increase", "irate", "histogram_quantile", "label_values", "bool", "offset",
+    "or", "unless", "rate", "increase", "irate", "histogram_quantile", "label_values", "bool", "offset", "absent",
 }
 
 
@@ -84,12 +85,65 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_promtool_checks_the_rules():
+    done = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(rules())} rules found" in done.stdout
+
+
+def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is not installed: run `python -m tests.servers`")
-    done = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"SUCCESS: {len(rules())} rules found" in done.stdout
+    return promtool
+
+
+def test_promtool_rule_unit_tests_pass():
+    """SRM, error rate against control across two sidecars, the small-sample
+    guard, reload failure and sidecar down, each with its input series."""
+    done = subprocess.run([_promtool(), "test", "rules", RULE_TESTS.name], cwd=DEPLOY, capture_output=True, text=True)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+    names = [t["name"] for t in yaml.safe_load(RULE_TESTS.read_text())["tests"]]
+    assert len(names) == 6
+    alerted = {a["alertname"] for t in yaml.safe_load(RULE_TESTS.read_text())["tests"] for a in t["alert_rule_test"]}
+    assert alerted == {r["alert"] for r in rules() if "alert" in r}
+
+
+def test_the_rule_tests_fail_when_an_alert_stops_firing(tmp_path):
+    """The unit tests can fail: a sidecar-down rule on another job breaks them."""
+    (tmp_path / RULES.name).write_text(RULES.read_text().replace(
+        f'up{{job="{k8s_monitoring.SCRAPE_JOB}"}}', 'up{job="model-router"}'))
+    (tmp_path / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
+    done = subprocess.run([_promtool(), "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode != 0 and "ModelRouterSidecarDown" in done.stdout + done.stderr
+
+
+def test_rules_dashboard_and_service_monitor_agree_on_the_scrape_job():
+    """Every job the rules and the dashboard name is the one the generated
+    ServiceMonitor gives the sidecars' series."""
+    texts = [RULES.read_text(), DASHBOARD.read_text()]
+    jobs = {j for t in texts for j in re.findall(r'job\s*=\s*\\?"([^"\\]+)', t)}
+    assert jobs == {k8s_monitoring.SCRAPE_JOB}
+    monitor = k8s_monitoring.service_monitor(k8s.Options())
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert {"action": "replace", "targetLabel": "job", "replacement": k8s_monitoring.SCRAPE_JOB} in endpoint["relabelings"]
+    # The PrometheusRule is the rules file's groups, unchanged.
+    assert k8s_monitoring.prometheus_rule(k8s.Options())["spec"] == yaml.safe_load(RULES.read_text())
+
+
+def test_importing_the_dashboard_asks_for_its_data_source():
+    """Grafana's import dialog prompts for every ``__inputs`` entry and puts
+    the choice wherever ``${NAME}`` appears; every panel reads the data source
+    variable that choice sets, and every panel type is declared."""
+    text = DASHBOARD.read_text()
+    dash = json.loads(text)
+    (ds_input,) = dash["__inputs"]
+    assert (ds_input["type"], ds_input["pluginId"]) == ("datasource", "prometheus")
+    variable = next(v for v in dash["templating"]["list"] if v["type"] == "datasource")
+    assert variable["current"]["value"] == "${%s}" % ds_input["name"]
+    targets = [p for p in dash["panels"] if p["type"] != "row"]
+    assert targets and all(p["datasource"]["uid"] == "${%s}" % variable["name"] for p in targets)
+    declared = {r["id"] for r in dash["__requires"] if r["type"] == "panel"}
+    assert {p["type"] for p in targets} <= declared
 
 
 def test_rules_read_only_exported_metrics_and_earlier_records():
@@ -98,7 +152,7 @@ def test_rules_read_only_exported_metrics_and_earlier_records():
         assert metric_names(rule["expr"]) <= known | recorded(), rule
     assert {r["alert"] for r in rules() if "alert" in r} == {
         "ModelExperimentSampleRatioMismatch", "ModelExperimentArmErrorRateAboveControl",
-        "ModelRouterConfigReloadFailed", "ModelRouterSidecarDown",
+        "ModelRouterConfigReloadFailed", "ModelRouterSidecarDown", "ModelRouterSidecarsNotScraped",
     }
 
 
@@ -164,7 +218,7 @@ def test_prometheus_scrapes_the_stack_and_every_recording_rule_yields_per_arm_se
     stack = stack_factory(STACK % refusing)
     prom = PrometheusServer(tmp_path / "prometheus", targets=stack.sidecar_admin, rule_files=[RULES]).start()
     try:
-        wait_for("the first scrape", lambda: [s for s in prom.query('up{job="model-router-sidecar"}')
+        wait_for("the first scrape", lambda: [s for s in prom.query(f'up{{job="{k8s_monitoring.SCRAPE_JOB}"}}')
                                               if s["value"][1] == "1"])
         assert {g["name"] for g in prom.get("/api/v1/rules")["data"]["groups"]} == {
             "model-router.experiments", "model-router.alerts", "model-router.feedback"}

@@ -16,7 +16,7 @@ from sidecar import spans, trace_settings
 from sidecar.config import Tracing
 from sidecar.metering import Entry
 
-from .conftest import metric, wait_metric
+from .conftest import clear_demo_requests, demo_requests, metric, wait_metric
 from .otlp import GrpcReceiver, HttpReceiver, decode
 
 KEY = "sk-trace-team-secret"
@@ -93,6 +93,46 @@ def test_span_of_an_entry_carries_the_decision_and_times():
         "gen_ai.usage.output_tokens": 7,
     }
     assert spans.span_of(Entry({}, 503, 1.0, None, None, None, None, True, False), spans.Sampler()) is None
+
+
+def test_a_span_names_the_answer_the_server_and_the_error_type():
+    import dataclasses
+
+    decision = {"kind": "routed", "client_model": "chat", "upstream_model": "claude-x", "backend": "pool-a",
+                "ingress": "/anthropic/v1/messages", "family": "anthropic"}
+    entry = dataclasses.replace(_entry(**decision), answer={
+        "response_id": "msg_01", "response_model": "claude-x-2025", "finish_reason": "end_turn"})
+    ctx = spans.sampled(entry, spans.Sampler())
+    got = decode(tracing_request([spans.build(entry, ctx, server_of={"pool-a": ("10.0.0.5", 8000)}.get)]))[0]
+    attrs = got["attributes"]
+    assert (attrs["gen_ai.response.id"], attrs["gen_ai.response.model"]) == ("msg_01", "claude-x-2025")
+    assert attrs["gen_ai.response.finish_reasons"] == ["end_turn"]
+    assert (attrs["server.address"], attrs["server.port"]) == ("10.0.0.5", 8000) and "error.type" not in attrs
+    # A body renamed to the client's name does not hide the model that answered.
+    renamed = dataclasses.replace(entry, answer={"response_model": "chat"})
+    assert decode(tracing_request([spans.build(renamed, ctx)]))[0]["attributes"]["gen_ai.response.model"] == "claude-x"
+    # Errors carry error.type: the refusal code, else the status, else _OTHER.
+    for change, want in ((dict(status=503, decision={**decision, "refusal": "no_backend_available"}), "no_backend_available"),
+                         (dict(status=502), "502"), (dict(status=0, upstream_failed=True), "_OTHER")):
+        failed = dataclasses.replace(entry, **change)
+        got = decode(tracing_request([spans.build(failed, ctx)]))[0]
+        assert got["attributes"]["error.type"] == want and got["status"] == 2, (change, got)
+    assert spans.error_type(decision, 404, False) is None
+
+
+def test_the_router_names_its_span_upstream_only_when_the_client_did_not():
+    assert spans.upstream_traceparent(f"00-{TRACE_ID}-{CLIENT_SPAN}-01") is None
+    ids = iter([bytes.fromhex(CLIENT_SPAN), bytes.fromhex(TRACE_ID)])
+    header, span_id = spans.upstream_traceparent("garbage", lambda n: next(ids))
+    assert (header, span_id) == (f"00-{TRACE_ID}-{CLIENT_SPAN}-01", CLIENT_SPAN)
+    # The access log carries the context the router sent: the span is its root, with that id.
+    import dataclasses
+
+    entry = dataclasses.replace(_entry(kind="routed", span_id=span_id), traceparent=header)
+    got = decode(tracing_request([spans.span_of(entry, spans.Sampler())]))[0]
+    assert (got["trace_id"], got["span_id"], got["parent_span_id"]) == (TRACE_ID, CLIENT_SPAN, "")
+    # A ratio sampler decides on the trace id as for any root.
+    assert spans.span_of(entry, spans.Sampler("parentbased_always_off")) is None
 
 
 def tracing_request(span_list) -> bytes:
@@ -220,7 +260,12 @@ def test_a_span_per_request_parented_to_the_clients_trace(grpc_stack, grpc_recei
         "gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": completion.usage.completion_tokens,
         "router.key_id": "team-a",
     }
-    assert span["status"] == 0  # UNSET: a success
+    assert span["status"] == 0 and "error.type" not in attrs  # UNSET: a success
+    # What the answer says about itself, and where it came from (GenAI conventions).
+    assert attrs["gen_ai.response.id"] == completion.id and attrs["gen_ai.response.model"] == completion.model
+    demo = grpc_stack.demo_urls[backend]
+    assert f"{attrs['server.address']}:{attrs['server.port']}" == demo.split("://", 1)[1].rstrip("/")
+    assert span["schema_url"] == spans.SCHEMA_URL
     assert span["resource"]["service.name"] == "router-under-test"
     assert span["scope"] == "model-router"
     assert all(h.get("x-collector-token") == "tok" for h in grpc_receiver.headers)
@@ -228,15 +273,22 @@ def test_a_span_per_request_parented_to_the_clients_trace(grpc_stack, grpc_recei
 
 
 @pytest.mark.integration
-def test_a_request_without_traceparent_starts_a_new_trace(grpc_stack, grpc_receiver):
-    raw = _chat(grpc_stack, "untraced")
-    span = _by_request(grpc_receiver, raw.headers["x-request-id"])
-    assert span["parent_span_id"] == ""
-    assert span["trace_id"] not in (TRACE_ID, "0" * 32) and len(span["trace_id"]) == 32
-    # An invalid traceparent is ignored the same way.
-    raw = _chat(grpc_stack, "untraced", {"traceparent": "00-not-a-trace-01"})
-    span = _by_request(grpc_receiver, raw.headers["x-request-id"])
-    assert span["parent_span_id"] == "" and span["trace_id"] != TRACE_ID
+def test_a_request_without_traceparent_starts_a_new_trace_the_engine_joins(grpc_stack, grpc_receiver):
+    """The router's span is the root, and the request carries it upstream as
+    the engine's parent: both sides of the hop are in one trace."""
+    for sent in ({}, {"traceparent": "00-not-a-trace-01"}):  # an invalid one is ignored the same way
+        clear_demo_requests(grpc_stack)
+        raw = _chat(grpc_stack, "untraced", sent)
+        span = _by_request(grpc_receiver, raw.headers["x-request-id"])
+        assert span["parent_span_id"] == ""
+        assert span["trace_id"] not in (TRACE_ID, "0" * 32) and len(span["trace_id"]) == 32
+        (seen,) = demo_requests(grpc_stack, ARM[raw.headers["x-continuum-experiment-variant"]][1])
+        assert seen["headers"]["traceparent"] == f"00-{span['trace_id']}-{span['span_id']}-01", seen["headers"]
+    # A client's valid context goes upstream untouched.
+    clear_demo_requests(grpc_stack)
+    raw = _chat(grpc_stack, "traced", {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+    (seen,) = demo_requests(grpc_stack, ARM[raw.headers["x-continuum-experiment-variant"]][1])
+    assert seen["headers"]["traceparent"] == f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
 
 
 @pytest.mark.integration

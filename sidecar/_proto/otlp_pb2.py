@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmodel_router/otlp/v1/otlp.proto\x12\x14model_router.otlp.v1\"n\n\x08\x41nyValue\x12\x16\n\x0cstring_value\x18\x01 \x01(\tH\x00\x12\x14\n\nbool_value\x18\x02 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x03 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x04 \x01(\x01H\x00\x42\x07\n\x05value\"F\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.model_router.otlp.v1.AnyValue\"5\n\x14InstrumentationScope\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\">\n\x08Resource\x12\x32\n\nattributes\x18\x01 \x03(\x0b\x32\x1e.model_router.otlp.v1.KeyValue\"\xa6\x01\n\x06Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x35\n\x04\x63ode\x18\x03 \x01(\x0e\x32\'.model_router.otlp.v1.Status.StatusCode\"N\n\nStatusCode\x12\x15\n\x11STATUS_CODE_UNSET\x10\x00\x12\x12\n\x0eSTATUS_CODE_OK\x10\x01\x12\x15\n\x11STATUS_CODE_ERROR\x10\x02J\x04\x08\x01\x10\x02\"\x80\x04\n\x04Span\x12\x10\n\x08trace_id\x18\x01 \x01(\x0c\x12\x0f\n\x07span_id\x18\x02 \x01(\x0c\x12\x13\n\x0btrace_state\x18\x03 \x01(\t\x12\x16\n\x0eparent_span_id\x18\x04 \x01(\x0c\x12\r\n\x05\x66lags\x18\x10 \x01(\x07\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x31\n\x04kind\x18\x06 \x01(\x0e\x32#.model_router.otlp.v1.Span.SpanKind\x12\x1c\n\x14start_time_unix_nano\x18\x07 \x01(\x06\x12\x1a\n\x12\x65nd_time_unix_nano\x18\x08 \x01(\x06\x12\x32\n\nattributes\x18\t \x03(\x0b\x32\x1e.model_router.otlp.v1.KeyValue\x12 \n\x18\x64ropped_attributes_count\x18\n \x01(\r\x12,\n\x06status\x18\x0f \x01(\x0b\x32\x1c.model_router.otlp.v1.Status\"\x99\x01\n\x08SpanKind\x12\x19\n\x15SPAN_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12SPAN_KIND_INTERNAL\x10\x01\x12\x14\n\x10SPAN_KIND_SERVER\x10\x02\x12\x14\n\x10SPAN_KIND_CLIENT\x10\x03\x12\x16\n\x12SPAN_KIND_PRODUCER\x10\x04\x12\x16\n\x12SPAN_KIND_CONSUMER\x10\x05\"\x86\x01\n\nScopeSpans\x12\x39\n\x05scope\x18\x01 \x01(\x0b\x32*.model_router.otlp.v1.InstrumentationScope\x12)\n\x05spans\x18\x02 \x03(\x0b\x32\x1a.model_router.otlp.v1.Span\x12\x12\n\nschema_url\x18\x03 \x01(\t\"\x8c\x01\n\rResourceSpans\x12\x30\n\x08resource\x18\x01 \x01(\x0b\x32\x1e.model_router.otlp.v1.Resource\x12\x35\n\x0bscope_spans\x18\x02 \x03(\x0b\x32 .model_router.otlp.v1.ScopeSpans\x12\x12\n\nschema_url\x18\x03 \x01(\t\"X\n\x19\x45xportTraceServiceRequest\x12;\n\x0eresource_spans\x18\x01 \x03(\x0b\x32#.model_router.otlp.v1.ResourceSpans\"J\n\x19\x45xportTracePartialSuccess\x12\x16\n\x0erejected_spans\x18\x01 \x01(\x03\x12\x15\n\rerror_message\x18\x02 \x01(\t\"f\n\x1a\x45xportTraceServiceResponse\x12H\n\x0fpartial_success\x18\x01 \x01(\x0b\x32/.model_router.otlp.v1.ExportTracePartialSuccessb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmodel_router/otlp/v1/otlp.proto\x12\x14model_router.otlp.v1\"\xa7\x01\n\x08\x41nyValue\x12\x16\n\x0cstring_value\x18\x01 \x01(\tH\x00\x12\x14\n\nbool_value\x18\x02 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x03 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x04 \x01(\x01H\x00\x12\x37\n\x0b\x61rray_value\x18\x05 \x01(\x0b\x32 .model_router.otlp.v1.ArrayValueH\x00\x42\x07\n\x05value\"<\n\nArrayValue\x12.\n\x06values\x18\x01 \x03(\x0b\x32\x1e.model_router.otlp.v1.AnyValue\"F\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.model_router.otlp.v1.AnyValue\"5\n\x14InstrumentationScope\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\">\n\x08Resource\x12\x32\n\nattributes\x18\x01 \x03(\x0b\x32\x1e.model_router.otlp.v1.KeyValue\"\xa6\x01\n\x06Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x35\n\x04\x63ode\x18\x03 \x01(\x0e\x32\'.model_router.otlp.v1.Status.StatusCode\"N\n\nStatusCode\x12\x15\n\x11STATUS_CODE_UNSET\x10\x00\x12\x12\n\x0eSTATUS_CODE_OK\x10\x01\x12\x15\n\x11STATUS_CODE_ERROR\x10\x02J\x04\x08\x01\x10\x02\"\x80\x04\n\x04Span\x12\x10\n\x08trace_id\x18\x01 \x01(\x0c\x12\x0f\n\x07span_id\x18\x02 \x01(\x0c\x12\x13\n\x0btrace_state\x18\x03 \x01(\t\x12\x16\n\x0eparent_span_id\x18\x04 \x01(\x0c\x12\r\n\x05\x66lags\x18\x10 \x01(\x07\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x31\n\x04kind\x18\x06 \x01(\x0e\x32#.model_router.otlp.v1.Span.SpanKind\x12\x1c\n\x14start_time_unix_nano\x18\x07 \x01(\x06\x12\x1a\n\x12\x65nd_time_unix_nano\x18\x08 \x01(\x06\x12\x32\n\nattributes\x18\t \x03(\x0b\x32\x1e.model_router.otlp.v1.KeyValue\x12 \n\x18\x64ropped_attributes_count\x18\n \x01(\r\x12,\n\x06status\x18\x0f \x01(\x0b\x32\x1c.model_router.otlp.v1.Status\"\x99\x01\n\x08SpanKind\x12\x19\n\x15SPAN_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12SPAN_KIND_INTERNAL\x10\x01\x12\x14\n\x10SPAN_KIND_SERVER\x10\x02\x12\x14\n\x10SPAN_KIND_CLIENT\x10\x03\x12\x16\n\x12SPAN_KIND_PRODUCER\x10\x04\x12\x16\n\x12SPAN_KIND_CONSUMER\x10\x05\"\x86\x01\n\nScopeSpans\x12\x39\n\x05scope\x18\x01 \x01(\x0b\x32*.model_router.otlp.v1.InstrumentationScope\x12)\n\x05spans\x18\x02 \x03(\x0b\x32\x1a.model_router.otlp.v1.Span\x12\x12\n\nschema_url\x18\x03 \x01(\t\"\x8c\x01\n\rResourceSpans\x12\x30\n\x08resource\x18\x01 \x01(\x0b\x32\x1e.model_router.otlp.v1.Resource\x12\x35\n\x0bscope_spans\x18\x02 \x03(\x0b\x32 .model_router.otlp.v1.ScopeSpans\x12\x12\n\nschema_url\x18\x03 \x01(\t\"X\n\x19\x45xportTraceServiceRequest\x12;\n\x0eresource_spans\x18\x01 \x03(\x0b\x32#.model_router.otlp.v1.ResourceSpans\"J\n\x19\x45xportTracePartialSuccess\x12\x16\n\x0erejected_spans\x18\x01 \x01(\x03\x12\x15\n\rerror_message\x18\x02 \x01(\t\"f\n\x1a\x45xportTraceServiceResponse\x12H\n\x0fpartial_success\x18\x01 \x01(\x0b\x32/.model_router.otlp.v1.ExportTracePartialSuccessb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'model_router.otlp.v1.otlp_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ANYVALUE']._serialized_start=57
-  _globals['_ANYVALUE']._serialized_end=167
-  _globals['_KEYVALUE']._serialized_start=169
-  _globals['_KEYVALUE']._serialized_end=239
-  _globals['_INSTRUMENTATIONSCOPE']._serialized_start=241
-  _globals['_INSTRUMENTATIONSCOPE']._serialized_end=294
-  _globals['_RESOURCE']._serialized_start=296
-  _globals['_RESOURCE']._serialized_end=358
-  _globals['_STATUS']._serialized_start=361
-  _globals['_STATUS']._serialized_end=527
-  _globals['_STATUS_STATUSCODE']._serialized_start=443
-  _globals['_STATUS_STATUSCODE']._serialized_end=521
-  _globals['_SPAN']._serialized_start=530
-  _globals['_SPAN']._serialized_end=1042
-  _globals['_SPAN_SPANKIND']._serialized_start=889
-  _globals['_SPAN_SPANKIND']._serialized_end=1042
-  _globals['_SCOPESPANS']._serialized_start=1045
-  _globals['_SCOPESPANS']._serialized_end=1179
-  _globals['_RESOURCESPANS']._serialized_start=1182
-  _globals['_RESOURCESPANS']._serialized_end=1322
-  _globals['_EXPORTTRACESERVICEREQUEST']._serialized_start=1324
-  _globals['_EXPORTTRACESERVICEREQUEST']._serialized_end=1412
-  _globals['_EXPORTTRACEPARTIALSUCCESS']._serialized_start=1414
-  _globals['_EXPORTTRACEPARTIALSUCCESS']._serialized_end=1488
-  _globals['_EXPORTTRACESERVICERESPONSE']._serialized_start=1490
-  _globals['_EXPORTTRACESERVICERESPONSE']._serialized_end=1592
+  _globals['_ANYVALUE']._serialized_start=58
+  _globals['_ANYVALUE']._serialized_end=225
+  _globals['_ARRAYVALUE']._serialized_start=227
+  _globals['_ARRAYVALUE']._serialized_end=287
+  _globals['_KEYVALUE']._serialized_start=289
+  _globals['_KEYVALUE']._serialized_end=359
+  _globals['_INSTRUMENTATIONSCOPE']._serialized_start=361
+  _globals['_INSTRUMENTATIONSCOPE']._serialized_end=414
+  _globals['_RESOURCE']._serialized_start=416
+  _globals['_RESOURCE']._serialized_end=478
+  _globals['_STATUS']._serialized_start=481
+  _globals['_STATUS']._serialized_end=647
+  _globals['_STATUS_STATUSCODE']._serialized_start=563
+  _globals['_STATUS_STATUSCODE']._serialized_end=641
+  _globals['_SPAN']._serialized_start=650
+  _globals['_SPAN']._serialized_end=1162
+  _globals['_SPAN_SPANKIND']._serialized_start=1009
+  _globals['_SPAN_SPANKIND']._serialized_end=1162
+  _globals['_SCOPESPANS']._serialized_start=1165
+  _globals['_SCOPESPANS']._serialized_end=1299
+  _globals['_RESOURCESPANS']._serialized_start=1302
+  _globals['_RESOURCESPANS']._serialized_end=1442
+  _globals['_EXPORTTRACESERVICEREQUEST']._serialized_start=1444
+  _globals['_EXPORTTRACESERVICEREQUEST']._serialized_end=1532
+  _globals['_EXPORTTRACEPARTIALSUCCESS']._serialized_start=1534
+  _globals['_EXPORTTRACEPARTIALSUCCESS']._serialized_end=1608
+  _globals['_EXPORTTRACESERVICERESPONSE']._serialized_start=1610
+  _globals['_EXPORTTRACESERVICERESPONSE']._serialized_end=1712
 # @@protoc_insertion_point(module_scope)
