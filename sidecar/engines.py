@@ -95,6 +95,9 @@ class EngineSpec:
     copies: frozenset[str] = frozenset()
     breakdown: str | None = None
     metrics_hint: str | None = None  # what makes the engine publish its metrics, for the warning when it does not
+    # Whether a response names the model the request asked for; an engine that answers with
+    # its own name whatever was asked gets the requested name written back by the router.
+    echoes_model: bool = True
 
     @property
     def series(self) -> frozenset[str]:
@@ -134,6 +137,7 @@ TGI = EngineSpec(
     throughput=Throughput("tgi_request_generated_tokens_sum", "completion_counter"),
     waiting="tgi_queue_size",
     running="tgi_batch_current_size",
+    echoes_model=False,  # answers with the model id it was started with
 )
 LLAMACPP = EngineSpec(
     name="llamacpp",
@@ -144,6 +148,7 @@ LLAMACPP = EngineSpec(
     waiting="llamacpp:requests_deferred",
     running="llamacpp:requests_processing",
     metrics_hint="llama-server serves them only when started with --metrics",
+    echoes_model=False,  # answers with its first alias whatever the request named
 )
 
 ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (VLLM, SGLANG, TGI, LLAMACPP)}
