@@ -1,9 +1,12 @@
-"""Server binaries the tests start (Redis, Prometheus), the tools they run
-(docker-compose renders the compose file without a daemon), and their installer.
+"""Server binaries the tests start (Redis, Prometheus, llama.cpp's
+``llama-server``), the tools they run (docker-compose renders the compose file
+without a daemon), and their installer.
 
-``python -m tests.servers`` installs whichever of them is missing from Debian's
-packages; the README's test command runs it before pytest so a fresh machine
-passes. The fixtures start each server on a free loopback port and stop it.
+``python -m tests.servers`` installs whichever of the Debian packages is
+missing and builds ``llama-server`` once (:mod:`tests.llama_build`, cached
+outside the checkout); the README's test command runs it before pytest so a
+fresh machine passes. The fixtures start each server on a free loopback port
+and stop it.
 """
 
 from __future__ import annotations
@@ -196,5 +199,11 @@ class PrometheusServer:
                 self.proc.wait(10)
 
 
+def main() -> int:
+    from tests import llama_build
+
+    return install() or llama_build.ensure()
+
+
 if __name__ == "__main__":
-    sys.exit(install())
+    sys.exit(main())
