@@ -25,7 +25,8 @@ class LlamaServer:
     model: Path
     aliases: tuple[str, ...]
     workdir: Path
-    parallel: int = 2
+    parallel: int = 2  # slots, which share the context
+    ctx: int = 4096
     metrics: bool = True  # --metrics
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -40,7 +41,7 @@ class LlamaServer:
 
     def argv(self) -> list[str]:
         argv = [str(self.binary), "-m", str(self.model), "--alias", ",".join(self.aliases),
-                "--host", "127.0.0.1", "--port", str(self.port), "-c", "4096", "-t", "1",
+                "--host", "127.0.0.1", "--port", str(self.port), "-c", str(self.ctx), "-t", "1",
                 "-np", str(self.parallel), "--no-webui"]
         return [*argv, "--metrics"] if self.metrics else argv
 

@@ -83,7 +83,7 @@ def engines(tmp_path_factory):
     slow = gguf_model.write(d / "slow.gguf", gguf_model.SLOW)
     started = {
         "a": LlamaServer(binary, tiny, ("tiny-a",), d),
-        "b": LlamaServer(binary, slow, ("tiny-b", "tiny"), d),
+        "b": LlamaServer(binary, slow, ("tiny-b", "tiny"), d, ctx=8192),  # room for long generations
         "dark": LlamaServer(binary, tiny, ("dark",), d, parallel=1, metrics=False),
     }
     try:
@@ -133,11 +133,12 @@ def counters(engine: LlamaServer) -> dict[str, float]:
 
 @contextmanager
 def busy(engine: LlamaServer, streams: int) -> Iterator[None]:
-    """``streams`` long generations sent to the engine directly, cancelled on exit."""
+    """``streams`` long generations (tens of seconds on the slow engine) sent to the
+    engine directly, cancelled on exit."""
     stop = threading.Event()
 
     def run() -> None:
-        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": True}
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "stream": True}
         try:
             with httpx.stream("POST", engine.url + "/v1/chat/completions", json=body, timeout=120) as r:
                 for _ in r.iter_bytes():
@@ -277,8 +278,15 @@ def test_nitro_prefers_the_idle_fast_engine_to_the_busy_slow_one(stack, engines)
 
 
 def test_a_full_queue_takes_the_engine_out_of_rotation(stack, engines):
-    with busy(engines["b"], 4):  # two slots: two run, two wait, over max_waiting (1)
-        wait_for(lambda: backends(stack)["llama-b"]["waiting"] == 2, "llama-b's queue")
+    with busy(engines["b"], 6):  # two slots: two run, four wait, over max_waiting (1)
+        wait_for(lambda: (backends(stack)["llama-b"]["waiting"] or 0) >= 2, "llama-b's queue")
+
+        def as_raw() -> bool:
+            raw, view = engines["b"].raw_metrics(), backends(stack)["llama-b"]
+            return raw["llamacpp:requests_deferred"] >= 2 and (view["waiting"], view["running"]) == (
+                raw["llamacpp:requests_deferred"], raw["llamacpp:requests_processing"])
+
+        wait_for(as_raw, "the queue as the engine's own page shows it")
         assert not backends(stack)["llama-b"]["admissible"]
         with pytest.raises(openai.APIStatusError) as info:
             chat(stack, "chat", user=USERS_B[0])  # arm b is pinned to llama-b
