@@ -22,9 +22,10 @@ from pathlib import Path
 
 from sidecar.stack import free_port
 
-# binary -> the Debian package that ships it
+# binary -> the Debian package that ships it (cmake and the compilers build llama-server)
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
-            "docker-compose": "docker-compose"}
+            "docker-compose": "docker-compose", "cmake": "cmake", "c++": "build-essential",
+            "cc": "build-essential", "make": "build-essential"}
 
 
 def missing() -> dict[str, str]:
