@@ -34,11 +34,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "ENGINES", "LIVENESS", "EngineMetrics", "EngineSpec", "HealthCheck", "Reading", "Throughput", "ThroughputKind",
-    "compute_throughput", "counter_throughput", "parse_engine_metrics",
+    "DecodeReading", "compute_throughput", "counter_throughput", "decode_speed", "parse_engine_metrics",
 ]
 
 CheckKind = Literal["liveness", "generation"]
-ThroughputKind = Literal["counter", "completion_counter", "gauge"]
+ThroughputKind = Literal["counter", "completion_counter", "gauge", "decode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +70,16 @@ class Throughput:
     a token counter that moves only when a request finishes; the monitor takes
     its rate over the freshness window, so one finished request is not a spike
     between two scrapes. ``gauge``: the engine's own tokens/s figure, read as
-    it is.
+    it is. ``decode``: the speed of one request, from two counters the engine
+    bumps together, generated tokens (``series``) and the seconds spent
+    decoding them (``seconds``, summed over requests): their ratio over the
+    freshness window, or over the engine's life when the window saw none
+    (an idle engine keeps the speed it had).
     """
 
     series: str
     kind: ThroughputKind
+    seconds: str | None = None  # decode: the decode-time counter
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +95,14 @@ class EngineSpec:
     copies: frozenset[str] = frozenset()
     breakdown: str | None = None
     metrics_hint: str | None = None  # what makes the engine publish its metrics, for the warning when it does not
+    # Whether a response names the model the request asked for; an engine that answers with
+    # its own name whatever was asked gets the requested name written back by the router.
+    echoes_model: bool = True
 
     @property
     def series(self) -> frozenset[str]:
-        return frozenset({self.throughput.series, self.waiting, self.running})
+        seconds = {self.throughput.seconds} if self.throughput.seconds else set()
+        return frozenset({self.throughput.series, self.waiting, self.running, *seconds})
 
 
 VLLM = EngineSpec(
@@ -128,15 +137,18 @@ TGI = EngineSpec(
     throughput=Throughput("tgi_request_generated_tokens_sum", "completion_counter"),
     waiting="tgi_queue_size",
     running="tgi_batch_current_size",
+    echoes_model=False,  # answers with the model id it was started with
 )
 LLAMACPP = EngineSpec(
     name="llamacpp",
     health=LIVENESS,  # 503 while the model loads
-    # Bumped by a request's tokens when it completes.
-    throughput=Throughput("llamacpp:tokens_predicted_total", "completion_counter"),
+    # Both bumped when a request completes, by its tokens and its decode time: their ratio is
+    # the speed of one request. (The *_tokens_seconds gauges are reset by every scrape.)
+    throughput=Throughput("llamacpp:tokens_predicted_total", "decode", "llamacpp:tokens_predicted_seconds_total"),
     waiting="llamacpp:requests_deferred",
     running="llamacpp:requests_processing",
     metrics_hint="llama-server serves them only when started with --metrics",
+    echoes_model=False,  # answers with its first alias whatever the request named
 )
 
 ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (VLLM, SGLANG, TGI, LLAMACPP)}
@@ -156,13 +168,15 @@ class EngineMetrics:
 
     ``engine`` names the spec whose series were found (None: none were);
     ``throughput`` is the value of its throughput series, a counter's total or
-    a tokens/s gauge as the spec says.
+    a tokens/s gauge as the spec says; ``decode_seconds`` the decode-time
+    counter of a ``decode`` spec.
     """
 
     engine: str | None = None
     throughput: float | None = None
     waiting: float | None = None
     running: float | None = None
+    decode_seconds: float | None = None
 
 
 def _sample_name(line: str) -> str:
@@ -243,7 +257,9 @@ def _read(samples: list[_Sample], spec: EngineSpec) -> EngineMetrics:
     def figure(series: str) -> float | None:
         return _combine((s for s in samples if s.name == series), spec)
 
-    return EngineMetrics(spec.name, figure(spec.throughput.series), figure(spec.waiting), figure(spec.running))
+    seconds = figure(spec.throughput.seconds) if spec.throughput.seconds else None
+    return EngineMetrics(spec.name, figure(spec.throughput.series), figure(spec.waiting), figure(spec.running),
+                         seconds)
 
 
 Reading = tuple[float, float]  # (time, token counter) of one scrape
@@ -284,3 +300,27 @@ def counter_throughput(
     else:
         history, kept = history[-1:], (current,)
     return compute_throughput(history[0] if history else None, current, freshness_s), kept
+
+
+DecodeReading = tuple[float, float, float]  # (time, tokens, decode seconds) of one scrape
+
+
+def decode_speed(
+    history: tuple[DecodeReading, ...], current: DecodeReading, freshness_s: float
+) -> tuple[float | None, tuple[DecodeReading, ...]]:
+    """One request's decode speed (tokens/s) at ``current``, and the readings to keep.
+
+    Tokens over decode seconds since the oldest reading at most ``freshness_s``
+    older; when no decode time was counted in that window (idle, or only
+    requests still running), the engine's lifetime ratio; None before any
+    decode time was counted. A counter below the latest reading (an engine
+    restart) starts the window over.
+    """
+    at, tokens, seconds = current
+    if history and (tokens < history[-1][1] or seconds < history[-1][2]):
+        history = ()
+    history = tuple(r for r in history if at - r[0] <= freshness_s)
+    kept = (*history, current)
+    if history and seconds - history[0][2] > 0:
+        return (tokens - history[0][1]) / (seconds - history[0][2]), kept
+    return (tokens / seconds if seconds > 0 else None), kept

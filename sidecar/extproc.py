@@ -151,6 +151,12 @@ class _Stream:
 _SILENT = object()  # no message within the silence limit
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a read's outcome as seen, so an abandoned one is not logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _next(messages, timeout: float | None):
     """The next message from Envoy, None at the stream's end, or ``_SILENT``
     when ``timeout`` seconds pass without one."""
@@ -160,9 +166,15 @@ async def _next(messages, timeout: float | None):
         except StopAsyncIteration:
             return None
     pending = asyncio.ensure_future(messages.__anext__())
-    done, _ = await asyncio.wait({pending}, timeout=timeout)
+    # When Envoy drops the stream (an upstream reset mid-response) gRPC cancels
+    # Process here; the read then ends with StopAsyncIteration, which nobody awaits.
+    pending.add_done_callback(_retrieved)
+    try:
+        done, _ = await asyncio.wait({pending}, timeout=timeout)
+    finally:
+        if not pending.done():
+            pending.cancel()
     if not done:
-        pending.cancel()
         return _SILENT
     try:
         return pending.result()

@@ -113,7 +113,9 @@ def _plain(struct) -> dict[str, Any]:
 
 
 def status_class(entry: Entry) -> str:
-    if entry.status >= 500 or (entry.status == 0 and not entry.client_gone):
+    # A response cut by its upstream (an engine crash mid-stream) went out as a 200 but failed.
+    failed = entry.upstream_failed and not entry.client_gone
+    if entry.status >= 500 or failed or (entry.status == 0 and not entry.client_gone):
         return "server_error"
     if entry.status >= 400 or entry.status == 0:
         return "client_error"  # a client that left is the client's outcome

@@ -44,7 +44,16 @@ import aiohttp
 import orjson
 
 from .config import Monitor as MonitorConfig
-from .engines import ENGINES, EngineMetrics, HealthCheck, Reading, counter_throughput, parse_engine_metrics
+from .engines import (
+    ENGINES,
+    DecodeReading,
+    EngineMetrics,
+    HealthCheck,
+    Reading,
+    counter_throughput,
+    decode_speed,
+    parse_engine_metrics,
+)
 from .metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
 from .routing.selection import admissible
 from .snapshot import BackendInfo, Snapshot
@@ -73,7 +82,7 @@ is closing. (aiohttp also retries an idempotent request once when a reused conne
 turns out closed.)"""
 
 MetricsStatus = Literal["ok", "missing", "failed"]
-"""A scrape's outcome: the engine's series read; an answer (a page, or 4xx) without any; no usable answer."""
+"""A scrape's outcome: the engine's series read; an answer (a page, a 4xx or a 501) without any; no usable answer."""
 
 # --------------------------------------------------------------------------- state
 
@@ -131,9 +140,11 @@ def _check_model_id(value: object) -> str | None:
 def parse_models(body: bytes | str) -> tuple[str, ...]:
     """Model ids of an OpenAI/Anthropic ``{"data": [{"id": ...}, ...]}`` list, in order, deduplicated.
 
-    Entries without a usable id (not a string, empty, over 256 characters or
-    with control characters) are skipped; a body of another shape raises
-    ``ValueError``.
+    An entry's ``aliases`` list is read too: llama-server started with
+    ``--alias a,b`` lists one entry whose ``id`` is one of the names and whose
+    ``aliases`` hold them all, and it answers to each. Names that are not
+    usable (not a string, empty, over 256 characters or with control
+    characters) are skipped; a body of another shape raises ``ValueError``.
     """
     doc = orjson.loads(body)
     data = doc.get("data") if isinstance(doc, dict) else None
@@ -141,9 +152,13 @@ def parse_models(body: bytes | str) -> tuple[str, ...]:
         raise ValueError("model list has no 'data' array")
     out: dict[str, None] = {}
     for item in data:
-        model = _check_model_id(item.get("id")) if isinstance(item, dict) else None
-        if model is not None:
-            out.setdefault(model, None)
+        if not isinstance(item, dict):
+            continue
+        aliases = item.get("aliases")
+        for name in (item.get("id"), *(aliases if isinstance(aliases, list) else ())):
+            model = _check_model_id(name)
+            if model is not None:
+                out.setdefault(model, None)
     return tuple(out)
 
 
@@ -194,7 +209,7 @@ class _Track:
     missing_warned: bool = False  # the missing metrics were logged; again only after they were seen
     engine: str | None = None
     scraped_at: float | None = None
-    readings: tuple[Reading, ...] = ()  # the token counter's recent readings, oldest first
+    readings: tuple[Reading | DecodeReading, ...] = ()  # the token counters' recent readings, oldest first
     tps: float | None = None
     waiting: float | None = None
     running: float | None = None
@@ -552,8 +567,8 @@ class Monitor:
             error = None
         except _PollError as exc:
             error = str(exc)
-            if exc.status is not None and 400 <= exc.status < 500:
-                missing = error  # 404: SGLang or llama.cpp without their metrics flag
+            if _metrics_off(exc.status):
+                missing = error
         at = self._clock()
 
         def update(track: _Track) -> None:
@@ -611,8 +626,12 @@ def _take_load(track: _Track, metrics: EngineMetrics, at: float, freshness_s: fl
         kind = ENGINES[metrics.engine].throughput.kind
         if kind == "gauge":
             track.tps = metrics.throughput
+        elif kind == "decode":
+            if metrics.decode_seconds is not None:
+                current = (at, metrics.throughput, metrics.decode_seconds)
+                track.tps, track.readings = decode_speed(readings, current, freshness_s)  # type: ignore[arg-type]
         else:
-            track.tps, track.readings = counter_throughput(kind, readings, (at, metrics.throughput), freshness_s)
+            track.tps, track.readings = counter_throughput(kind, readings, (at, metrics.throughput), freshness_s)  # type: ignore[arg-type]
     track.waiting = metrics.waiting
     track.running = metrics.running
     track.scraped_at = at
@@ -632,6 +651,13 @@ def _metrics_missing(track: _Track, info: BackendInfo, path: str, reason: str) -
         "rank it and the max_waiting gate cannot see its queue%s",
         info.name, engine.name if engine is not None else "engine", path, reason, hint,
     )
+
+
+def _metrics_off(status: int | None) -> bool:
+    """Whether a scrape's answer says the engine serves no metrics, rather than failing to:
+    a 4xx (SGLang without --enable-metrics answers 404) or 501 Not Implemented (llama-server
+    without --metrics)."""
+    return status is not None and (400 <= status < 500 or status == 501)
 
 
 def _metrics_seen(track: _Track, name: str) -> None:

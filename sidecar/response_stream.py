@@ -226,13 +226,14 @@ class ResponseStream:
         self.finished = True
         # Held bytes never left; an oversized event forwarded in part needs its end.
         partial = self.rewriter is not None and self.rewriter.mid_event
+        held = self.rewriter.take_held() if self.rewriter is not None else b""  # a complete chunk: it goes first
         event = errors.stream_error_event(
             "gateway_timeout", f"The upstream sent nothing for {idle_s:g} seconds; the router ended the stream.",
             self.plan.family,
         )
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
         streamed = resp.response_body.response.body_mutation.streamed_response
-        streamed.body = (b"\n\n" if partial else b"") + event
+        streamed.body = held + (b"\n\n" if partial else b"") + event
         streamed.end_of_stream = True
         return resp
 

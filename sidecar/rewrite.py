@@ -79,6 +79,11 @@ _RESPONSE = b'"response"'
 # A Responses API object's own id, and the one it continues.
 _ID_KEYS = (b'"id"', b'"previous_response_id"')
 _MESSAGE = b'"message"'
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')  # a chunk that ends a choice
+# The members of a Chat Completions chunk; an injected usage chunk's other members are
+# the engine's own (llama.cpp's timings) and move to the chunk before it.
+_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "system_fingerprint", "choices", "usage",
+                         "service_tier", "obfuscation"})
 
 
 @dataclass
@@ -219,7 +224,11 @@ class SSERewriter:
     read, but the final ``"choices": []`` chunk that carries it is dropped
     (the whole event) and a ``usage`` member (``null``, or the counts engines
     such as vLLM with ``continuous_usage_stats`` put on every chunk) is removed
-    from the other chunks.
+    from the other chunks. Members of the dropped chunk that are not part of
+    a standard chunk (llama.cpp's ``timings``, which it puts on the last
+    chunk) move to the chunk that ended the choices, where the engine puts
+    them when usage is not asked for: that chunk is held back until the
+    next event shows whether the usage chunk follows.
 
     ``usage`` holds the token usage seen so far: OpenAI takes the last
     non-null ``usage`` object of a chunk (or ``response.usage`` of a
@@ -258,6 +267,9 @@ class SSERewriter:
         "_cr_tail",
         "_value",
         "_value_of",
+        "_held",
+        "_extras",
+        "_finishing",
     )
 
     def __init__(
@@ -287,6 +299,9 @@ class SSERewriter:
         self._cr_tail = False
         self._value = b""
         self._value_of = None
+        self._held: bytes | None = None  # a finishing chunk held back, without its blank line
+        self._extras: dict | None = None  # the engine's own members of the usage chunk just dropped
+        self._finishing = False  # the event just read ends a choice
 
     @property
     def buffered(self) -> int:
@@ -383,6 +398,10 @@ class SSERewriter:
                 pos = self._blank_end(data, b, True)
                 continue
             if b - pos > max_line:
+                if self._held is not None:
+                    out.append(data[raw_from:pos])
+                    out.append(self.take_held())
+                    raw_from = pos
                 pos = self._blank_end(data, b, True)
                 continue
             content = data[pos:b]
@@ -400,6 +419,10 @@ class SSERewriter:
             pos = end
 
         if n - pos > max_line:
+            if self._held is not None:
+                out.append(data[raw_from:pos])
+                out.append(self.take_held())
+                raw_from = pos
             self._passthrough = True
             self._prev = bytes(data[n - 1 :])
             out.append(data[raw_from:])
@@ -437,12 +460,15 @@ class SSERewriter:
         self._lf_emit = True
         self._mode = _LF_ONLY
         self._cr_tail = False
-        if not rest:
-            return b""
-        if rest[-1] == 10 or rest[-1] == 13:
+        if rest and (rest[-1] == 10 or rest[-1] == 13):
             result = self._event(rest)
-            return b"" if result is None else result
-        return rest
+            rest = b"" if result is None else result
+        return self.take_held() + rest
+
+    def take_held(self) -> bytes:
+        """The finishing chunk held back (with its blank line), now; empty when none is."""
+        held, self._held, self._extras = self._held, None, None
+        return b"" if held is None else held + _terminator(held)
 
     def _blank_end(self, data, b: int, emit: bool) -> int:
         """Return the end of the blank line starting at ``b``.
@@ -471,14 +497,22 @@ class SSERewriter:
             base = 6 if content[5] == 32 else 5
             data = content[base : -2 if content[-2] == 13 else -1]
         else:
+            base = 0
             segments, data = self._split(content)
             if segments is None:
                 return content
 
+        if self.strip_injected_usage:
+            return self._settle(content, self._edit(content, segments, data, base))
+        return self._edit(content, segments, data, base)
+
+    def _edit(self, content: bytes, segments, data, base: int) -> bytes | None:
+        """One event's edits: ``content``, the edited event, or None to drop it."""
         if self._openai:
             if (
                 (self.model is None or data.find(MODEL_KEY) < 0) and data.find(USAGE_KEY) < 0
                 and (self.id_tag is None or data.find(_RESPONSE) < 0)
+                and (not self.strip_injected_usage or _FINISHED.search(data) is None)
             ):
                 return content
         elif data.find(b'"message_start"') < 0 and data.find(b'"message_delta"') < 0:
@@ -500,6 +534,22 @@ class SSERewriter:
                 return content[: base + start] + rep + content[base + end :]
             return splice(content, edits, base)
         return splice_lines(content, segments, edits)
+
+    def _settle(self, content: bytes, result: bytes | None) -> bytes | None:
+        """Hold a finishing chunk back until the next event: when that is the
+        dropped usage chunk, the engine's own members of it join the held chunk,
+        which takes its place. Called with each event's edit result."""
+        finishing, self._finishing = self._finishing, False
+        held, extras = self._held, self._extras
+        self._held = self._extras = None
+        if finishing and result is not None:
+            self._held = result  # in this event's place goes the one held before it, if any
+            return held
+        if held is None:
+            return result
+        if result is None:  # the injected usage chunk
+            return _with_members(held, extras) if extras else held
+        return held + _terminator(held) + result
 
     @staticmethod
     def _split(content: bytes):
@@ -547,10 +597,15 @@ class SSERewriter:
                 _read_openai_usage(u, self.usage)
                 if self.strip_injected_usage:
                     if obj.get("choices") == []:
+                        self._extras = {k: v for k, v in obj.items() if k not in _CHUNK_KEYS}
                         return None  # the usage chunk the router asked for
                     cut_usage = True  # usage on a content or finish chunk (vLLM continuous_usage_stats)
             elif u is None and self.strip_injected_usage:
                 cut_usage = True
+        if self.strip_injected_usage:
+            choices = obj.get("choices")
+            self._finishing = type(choices) is list and any(
+                type(c) is dict and c.get("finish_reason") is not None for c in choices)
         model = self.model
         top = False
         parent = None
@@ -606,3 +661,19 @@ class SSERewriter:
                     self.usage.completion_tokens = _count(u["output_tokens"])
                 self.usage.seen = True
         return ()
+
+
+def _terminator(event: bytes) -> bytes:
+    """The line terminator an event's lines end with: its blank line is one more."""
+    if event.endswith(b"\r\n"):
+        return b"\r\n"
+    return event[-1:] if event[-1:] in (b"\n", b"\r") else b"\n"
+
+
+def _with_members(event: bytes, members: dict) -> bytes:
+    """A one-line ``data: {...}`` event with ``members`` added to its object (other shapes unchanged)."""
+    end = event.rfind(b"}")
+    if not event.startswith(b"data:") or end < 0 or event.count(b"\n", 0, len(event) - 1) or b"\r" in event[:-2]:
+        return event
+    added = b"".join(b"," + orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in members.items())
+    return event[:end] + added + event[end:]

@@ -1,10 +1,13 @@
-"""Server binaries the tests start (Redis, Prometheus), the tools they run
-(docker-compose renders the compose file without a daemon; node runs the
-upstream CRD schemas of tests/crd), and their installer.
+"""Server binaries the tests start (Redis, Prometheus, llama.cpp's
+``llama-server``), the tools they run (docker-compose renders the compose file
+without a daemon; node runs the upstream CRD schemas of tests/crd), and their
+installer.
 
-``python -m tests.servers`` installs whichever of them is missing from Debian's
-packages; the README's test command runs it before pytest so a fresh machine
-passes. The fixtures start each server on a free loopback port and stop it.
+``python -m tests.servers`` installs whichever of the Debian packages is
+missing and builds ``llama-server`` once (:mod:`tests.llama_build`, cached
+outside the checkout); the README's test command runs it before pytest so a
+fresh machine passes. The fixtures start each server on a free loopback port
+and stop it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from pathlib import Path
 from sidecar.k8s_monitoring import SCRAPE_JOB
 from sidecar.stack import free_port
 
-# binary -> the Debian package that ships it
+# binary -> the Debian package that ships it (cmake and the compilers build llama-server)
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
-            "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm"}
+            "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm",
+            "cmake": "cmake", "c++": "build-essential", "cc": "build-essential", "make": "build-essential"}
 # The upstream CRD schemas (npm packages, pinned by tests/crd/package-lock.json)
 # that tests/test_crd_schemas.py validates the generated custom resources against.
 CRD_SCHEMAS = Path(__file__).resolve().parent / "crd"
@@ -217,5 +221,11 @@ class PrometheusServer:
                 self.proc.wait(10)
 
 
+def main() -> int:
+    from tests import llama_build
+
+    return install() or llama_build.ensure()
+
+
 if __name__ == "__main__":
-    sys.exit(install())
+    sys.exit(main())

@@ -265,3 +265,23 @@ def test_integers_beyond_64_bits_still_route(snap):
     r = decide(snap, req("/v1/chat/completions", b'{"model": "chat", "seed": 123456789012345678901234567890}', snap=snap))
     assert r.upstream_model == "m-a"
     assert b"123456789012345678901234567890" in r.body
+
+
+def test_engines_that_answer_with_their_own_name_get_the_requested_name_written_back():
+    s = snapshot.build(parse("""
+backends:
+  - {name: llama, url: "http://127.0.0.1:1", type: llamacpp, models: [tiny, both]}
+  - {name: tgi, url: "http://127.0.0.1:2", type: tgi, models: [t]}
+  - {name: vllm, url: "http://127.0.0.1:3", type: vllm, models: [v, both]}
+  - {name: hosted, url: "http://127.0.0.1:4", type: openai, models: [o]}
+model_metadata:
+  - {id: tiny, aliases: [small]}
+""", env={}).config)
+    for sent, backend, written in (("tiny", "llama", "tiny"), ("small", "llama", "tiny"), ("t", "tgi", "t"),
+                                   ("v", "vllm", None), ("o", "hosted", None)):
+        r = decide(s, req("/v1/chat/completions", {"model": sent, "messages": []}, key=None, snap=s))
+        assert r.backend.name == backend and r.plan.rewrite_model == written, sent
+        assert r.plan.needs_response == (written is not None), sent
+    r = decide(s, req("/v1/chat/completions", {"model": "both", "messages": []}, key=None, snap=s, headers={"x-backend": "llama"}))
+    # x-backend is a preference; whichever serves it, only llama.cpp's answer is renamed
+    assert (r.plan.rewrite_model == "both") == (r.backend.name == "llama")

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.engines import ENGINES, EngineMetrics, compute_throughput, counter_throughput, parse_engine_metrics
+from sidecar.engines import (
+    ENGINES,
+    EngineMetrics,
+    compute_throughput,
+    counter_throughput,
+    decode_speed,
+    parse_engine_metrics,
+)
 
 PAGES = Path(__file__).resolve().parent / "data" / "engines"
 
@@ -27,12 +34,13 @@ EXPECTED = {
     "tgi": ("tgi", 51234.0, 4.0, 12.0),  # tokens: the _sum of a histogram observed as requests end
     "llamacpp": ("llamacpp", 6789.0, 1.0, 3.0),  # the counter, not the per-request speed gauge
 }
+DECODE_SECONDS = {"llamacpp": 73.0}  # the decode-time counter beside the token counter
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_sample_pages_read_as_their_engine(name):
     engine, throughput, waiting, running = EXPECTED[name]
-    expected = EngineMetrics(engine, throughput, waiting, running)
+    expected = EngineMetrics(engine, throughput, waiting, running, DECODE_SECONDS.get(name))
     assert parse_engine_metrics(page(name), ENGINES[engine]) == expected
     # A backend whose type names no engine reads the page of whichever engine it shows.
     assert parse_engine_metrics(page(name)) == expected
@@ -50,7 +58,7 @@ def test_each_type_has_its_health_check_and_counter_kind():
         "vllm": ("liveness", 1, "counter"),
         "sglang": ("generation", 2, "gauge"),
         "tgi": ("liveness", 1, "completion_counter"),
-        "llamacpp": ("liveness", 1, "completion_counter"),
+        "llamacpp": ("liveness", 1, "decode"),
     }
 
 
@@ -143,6 +151,23 @@ def test_a_completion_counter_is_rated_over_the_freshness_window():
     assert counter_throughput("counter", kept, (14.0, 1000.0), freshness_s=7) == (100.0, ((14.0, 1000.0),))
     # A restart starts over.
     assert counter_throughput("completion_counter", kept, (14.0, 10.0), freshness_s=7) == (None, ((14.0, 10.0),))
+
+
+def test_decode_speed_is_one_request_s_speed_over_the_window():
+    # A slow engine: 2 requests of 100 tokens each finished at t=10, each took 10 s to decode.
+    history = ((2.0, 0.0, 0.0), (6.0, 0.0, 0.0))
+    speed, kept = decode_speed(history, (10.0, 200.0, 20.0), freshness_s=7)
+    assert speed == pytest.approx(10.0)  # per request, not the 200 tokens / 8 s the engine made in all
+    assert kept == ((6.0, 0.0, 0.0), (10.0, 200.0, 20.0))
+    # Idle afterwards: the window counts no decode time, and the engine keeps its lifetime speed.
+    speed, kept = decode_speed(kept, (20.0, 200.0, 20.0), freshness_s=7)
+    assert speed == pytest.approx(10.0) and kept == ((20.0, 200.0, 20.0),)
+    # Faster requests in the window rate the window alone.
+    speed, kept = decode_speed(kept, (22.0, 1200.0, 22.0), freshness_s=7)
+    assert speed == pytest.approx(500.0)
+    # Never decoded: no figure. A restart starts over on the new counters.
+    assert decode_speed((), (1.0, 0.0, 0.0), freshness_s=7) == (None, ((1.0, 0.0, 0.0),))
+    assert decode_speed(kept, (24.0, 30.0, 0.5), freshness_s=7) == (pytest.approx(60.0), ((24.0, 30.0, 0.5),))
 
 
 def test_throughput_counter_reset_waits_for_the_next_pair():

@@ -50,7 +50,7 @@ SERVED = {
     "sglang-dp": ("sglang-dp", 772.5, 5.0, None),
     "sglang-tp": ("sglang-tp-all-schedulers", 800.0, 6.0, None),
     "tgi": ("tgi", 0.0, 4.0, 12.0),
-    "llamacpp": ("llamacpp", 0.0, 1.0, 3.0),
+    "llamacpp": ("llamacpp", 93.0, 1.0, 3.0),  # one request's speed: 6789 tokens in 73 s of decoding
 }
 
 
@@ -133,22 +133,26 @@ def test_nitro_counts_a_batch_seen_by_every_tp_rank_once(stack):
     assert seen == {"sglang", "sglang-tp"}
 
 
-def test_a_finished_request_counts_for_nitro_over_the_freshness_window(stack):
-    """TGI and llama.cpp count a request's tokens when it finishes: 6000 tokens counted at once
-    rate llamacpp above tgi for the freshness window (6 s here), not for one scrape interval."""
-    seen = {served_by(stack.oa.chat.completions.create(model="local:nitro", messages=[])) for _ in range(6)}
-    assert seen == {"tgi", "llamacpp"}  # both rated 0 tokens/s: a tie
-    finished = page("llamacpp").replace("llamacpp:tokens_predicted_total 6789", "llamacpp:tokens_predicted_total 12789")
-    set_state(stack, "llamacpp", metrics_page=finished)
+def test_nitro_rates_llama_cpp_by_one_request_s_speed_and_tgi_by_finished_tokens(stack):
+    """llama.cpp's figure is one request's decode speed, kept while the engine is idle (93 tokens/s
+    on its sample page); TGI counts a request's tokens when it finishes, so it is rated 0 until
+    6000 tokens finish inside the freshness window (6 s here), then at least 1000 tokens/s."""
+    seen = {served_by(stack.oa.chat.completions.create(model="local:nitro", messages=[])) for _ in range(4)}
+    assert seen == {"llamacpp"}
+    # 100 more tokens that took 10 s to decode: the window's speed, 10 tokens/s.
+    slower = (page("llamacpp").replace("llamacpp:tokens_predicted_total 6789", "llamacpp:tokens_predicted_total 6889")
+              .replace("llamacpp:tokens_predicted_seconds_total 73", "llamacpp:tokens_predicted_seconds_total 83"))
+    set_state(stack, "llamacpp", metrics_page=slower)
+    finished = page("tgi").replace("tgi_request_generated_tokens_sum 51234", "tgi_request_generated_tokens_sum 57234")
     try:
-        wait_for(lambda: admin_backends(stack)["llamacpp"]["throughput_tps"], "the finished request to count")
-        later = set_state(stack, "llamacpp")["metrics_scrapes"] + 3
-        wait_for(lambda: set_state(stack, "llamacpp")["metrics_scrapes"] >= later, "three more scrapes")
-        assert admin_backends(stack)["llamacpp"]["throughput_tps"] > 0
+        wait_for(lambda: admin_backends(stack)["llamacpp"]["throughput_tps"] == 10.0, "the slower window")
+        set_state(stack, "tgi", metrics_page=finished)
+        wait_for(lambda: (admin_backends(stack)["tgi"]["throughput_tps"] or 0) >= 1000, "the finished request to count")
         seen = {served_by(stack.oa.chat.completions.create(model="local:nitro", messages=[])) for _ in range(4)}
-        assert seen == {"llamacpp"}
+        assert seen == {"tgi"}
     finally:
         set_state(stack, "llamacpp", metrics_page=page("llamacpp"))
+        set_state(stack, "tgi", metrics_page=page("tgi"))
 
 
 def test_a_backend_without_metrics_is_warned_about_once(stack):

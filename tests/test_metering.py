@@ -264,3 +264,17 @@ def test_usage_records_carry_the_arm_and_never_the_key(stack):
     assert record["status"] == 200 and record["prompt_tokens"] == 3 and record["completion_tokens"] > 0
     assert record["assignment"] == "sticky"
     assert b"sk-team-a" not in path.read_bytes()
+
+
+def test_a_response_its_upstream_cut_is_a_server_error_whatever_its_status():
+    from sidecar.metering import Entry, status_class
+
+    def entry(status: int, upstream_failed: bool, client_gone: bool = False) -> Entry:
+        return Entry(decision={}, status=status, start=0.0, headers_s=0.1, total_s=0.5, prompt_tokens=None,
+                     completion_tokens=None, upstream_failed=upstream_failed, client_gone=client_gone)
+
+    assert status_class(entry(200, upstream_failed=False)) == "success"
+    assert status_class(entry(200, upstream_failed=True)) == "server_error"  # the engine died mid-stream
+    assert status_class(entry(503, upstream_failed=True)) == "server_error"
+    assert status_class(entry(200, upstream_failed=True, client_gone=True)) == "success"  # the client left first
+    assert status_class(entry(0, upstream_failed=False, client_gone=True)) == "client_error"

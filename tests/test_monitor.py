@@ -41,6 +41,11 @@ def test_parse_models():
     body = b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}, {"id": "a"}, {"id": 3}, {"x": 1}, "c", {"id": ""}]}'
     assert parse_models(body) == ("a", "b")
     assert parse_models('{"data": []}') == ()
+    # llama-server --alias tiny-b,tiny: one entry, every name in its aliases
+    llama = b'{"models": [{"name": "tiny"}], "object": "list", "data": [{"id": "tiny", "aliases": ["tiny", "tiny-b"], "owned_by": "llamacpp"}]}'
+    assert parse_models(llama) == ("tiny", "tiny-b")
+    odd = rb'{"data": [{"id": "a", "aliases": "b"}, {"id": "c", "aliases": [1, "", "d\u0000", "e", null]}, {"aliases": ["f"]}]}'
+    assert parse_models(odd) == ("a", "c", "e", "f")
     for bad in (b"[]", b'{"models": []}', b"not json", b'{"data": {}}'):
         with pytest.raises(ValueError):
             parse_models(bad)

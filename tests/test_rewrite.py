@@ -518,6 +518,37 @@ class TestStripInjectedUsage:
             rw = SSERewriter("client", "openai", strip_injected_usage=True)
             assert run(rw, [raw[:cut], raw[cut:]]) == expected, cut
 
+    def test_the_engine_s_own_members_of_the_usage_chunk_move_to_the_finishing_chunk(self):
+        """llama.cpp puts its timings on the last chunk: the usage chunk when usage was asked
+        for, the finishing chunk otherwise. Only the usage the router asked for goes."""
+        finish = openai_chunk(model="up", usage=None)
+        finish["choices"][0]["finish_reason"] = "length"
+        timings = {"prompt_n": 9, "predicted_n": 4, "predicted_per_second": 1234.5}
+        usage_chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "up", "choices": [],
+                       "usage": {"prompt_tokens": 9, "completion_tokens": 4}, "timings": timings}
+        raw = chunk(openai_chunk(model="up", content="a")) + chunk(finish) + chunk(usage_chunk) + b"data: [DONE]\n\n"
+        for cut in range(0, len(raw) + 1, 5):
+            rw = SSERewriter("client", "openai", strip_injected_usage=True)
+            out = run(rw, [raw[:cut], raw[cut:]])
+            events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+            assert [e["model"] for e in events] == ["client", "client"], cut
+            assert events[1]["choices"][0]["finish_reason"] == "length" and events[1]["timings"] == timings, cut
+            assert "usage" not in events[0] and "usage" not in events[1] and out.endswith(b"data: [DONE]\n\n"), cut
+            assert rw.usage == Usage(9, 4, True)
+
+    def test_a_finishing_chunk_is_held_only_until_the_next_event(self):
+        finish = openai_chunk(usage=None)
+        finish["choices"][0]["finish_reason"] = "stop"
+        rw = SSERewriter(None, "openai", strip_injected_usage=True)
+        assert rw.feed(chunk(finish)) == b""  # the usage chunk may follow
+        assert rw.feed(b"data: [DONE]\n\n") == chunk(openai_chunk() | {"choices": finish["choices"]}) + b"data: [DONE]\n\n"
+        rw = SSERewriter(None, "openai", strip_injected_usage=True, max_line=len(chunk(finish)))
+        assert rw.feed(chunk(finish)) == b""
+        long = b"data: " + b"x" * len(chunk(finish)) + b"\n\n"  # forwarded as is, after the held event
+        assert rw.feed(long) + rw.finish() == chunk(openai_chunk() | {"choices": finish["choices"]}) + long
+        rw = SSERewriter(None, "openai", strip_injected_usage=True)
+        assert rw.feed(chunk(finish)) == b"" and rw.finish() == chunk(openai_chunk() | {"choices": finish["choices"]})
+
     def test_dropped_at_finish(self):
         rw = SSERewriter(None, "openai", strip_injected_usage=True)
         assert rw.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 4}}\n') == b""

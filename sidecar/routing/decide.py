@@ -84,8 +84,20 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         route.hops = hops
         plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
     route.limits = limited
+    _own_name(route)
     _cache(snap, req, parsed, route, edits, target)
     return route
+
+
+def _own_name(route: Route) -> None:
+    """An engine that answers with its own model name whatever was asked
+    (llama.cpp, TGI) gets the name the request was sent as written back, so a
+    response names what it would on an engine that echoes the request."""
+    plan = route.plan
+    engine = route.backend.config.engine
+    if plan is not None and plan.rewrite_model is None and plan.kind == "routed" and engine is not None \
+            and not engine.echoes_model:
+        plan.rewrite_model = route.upstream_model
 
 
 def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Edits, target: _Target) -> None:
