@@ -100,6 +100,52 @@ Name = Annotated[str, AfterValidator(_check_name)]
 ModelName = Annotated[str, AfterValidator(_check_model_name)]
 
 
+class GrpcTls(_Model):
+    """mTLS on the gRPC port: the sidecar's certificate, the CA its callers'
+    certificates must chain to, and the client certificate Envoy presents."""
+
+    cert_file: str  # the sidecar's certificate chain (PEM)
+    key_file: str  # its private key (PEM)
+    client_ca_file: str  # a caller without a certificate signed by this CA is refused at the handshake
+    envoy_cert_file: str  # written into the Envoy bootstrap: the certificate Envoy presents
+    envoy_key_file: str
+    ca_file: str | None = None  # what Envoy trusts for the sidecar's certificate; default client_ca_file
+    server_name: str | None = None  # the SNI and SAN Envoy expects from the sidecar; default: any
+
+
+class GrpcAuth(_Model):
+    """Who may call the gRPC port (docs/security.md, "Control plane")."""
+
+    # The per-deployment secret Envoy sends in gRPC metadata; give it as
+    # ${ENV} or in a file. Unset (and no tls): the port trusts its network and
+    # serve refuses to listen beyond loopback.
+    secret: str | None = None
+    secret_file: str | None = None
+    tls: GrpcTls | None = None
+    # The Assignment API's own credential (other services call it, never Envoy):
+    # sent as "authorization: Bearer <token>" metadata.
+    assignment_token: str | None = None
+
+    @field_validator("secret", "assignment_token")
+    @classmethod
+    def _long_enough(cls, v: str | None) -> str | None:
+        if v is not None and len(v) < 16:
+            raise ValueError("must be at least 16 characters (model-router up generates 43)")
+        if v is not None and any(ord(c) < 0x21 or ord(c) == 0x7F for c in v):
+            raise ValueError("must not contain spaces or control characters (it travels as gRPC metadata)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> GrpcAuth:
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("give secret or secret_file, not both")
+        return self
+
+    @property
+    def authenticated(self) -> bool:
+        return self.secret is not None or self.secret_file is not None or self.tls is not None
+
+
 class Server(_Model):
     grpc_listen: str = "127.0.0.1:50051"
     admin_listen: str = "127.0.0.1:9190"
@@ -123,6 +169,7 @@ class Server(_Model):
     # it goes on with the client's model untouched (refused when a key gate or
     # a hidden experiment exists, since those would then be skipped).
     failure_mode: Literal["closed", "open"] = "closed"
+    grpc_auth: GrpcAuth = GrpcAuth()
 
     @field_validator("grpc_listen", "admin_listen")
     @classmethod

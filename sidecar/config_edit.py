@@ -96,6 +96,10 @@ def _secret_fields(doc: dict) -> list[tuple[str, Any, Any]]:
     server = doc.get("server")
     if isinstance(server, dict) and "admin_token" in server:
         out.append(("server.admin_token", server, "admin_token"))
+    auth = server.get("grpc_auth") if isinstance(server, dict) else None
+    for name in ("secret", "assignment_token"):
+        if isinstance(auth, dict) and name in auth:
+            out.append((f"server.grpc_auth.{name}", auth, name))
     for i, b in enumerate(doc.get("backends") or []):
         if isinstance(b, dict) and "api_key" in b:
             out.append((f"backends[{i}].api_key", b, "api_key"))
@@ -127,7 +131,8 @@ def _masked_url(url: str) -> str:
 def masked(text: str) -> str:
     """The config text with every secret replaced by :data:`MASK`.
 
-    Masked: ``server.admin_token``, ``backends[].api_key``, ``api_keys[].key``,
+    Masked: ``server.admin_token``, ``server.grpc_auth.secret`` and
+    ``.assignment_token``, ``backends[].api_key``, ``api_keys[].key``,
     ``web_search.api_key`` and the password of ``redis.url``. A value that is
     only an ``${ENV}`` reference is shown: it names the secret, it is not one.
     """

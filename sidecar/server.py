@@ -22,7 +22,7 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, srm, workers
+from . import admin_config, admin_token, experiments_diff, explain, grpc_auth, listing, metrics, snapshot, srm, workers
 from . import config as config_mod
 from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
@@ -43,8 +43,10 @@ class Runtime:
 
     def __init__(
         self, path: str | Path, url_overrides: Mapping[str, str] | None = None, usage_records: str | None = None,
+        grpc_secret_file: str | None = None,
     ):
         self.path = Path(path)
+        self.grpc_secret_file = grpc_secret_file  # overrides server.grpc_auth's secret
         self.url_overrides = dict(url_overrides or {})
         loaded = config_mod.load(self.path)
         for w in loaded.warnings:
@@ -300,6 +302,21 @@ class _SinkOf:
             sink.write(records)
 
 
+def _grpc_gate(auth, secret_file: str | None, listen: str) -> tuple[grpc_auth.Gate, grpc.ServerCredentials | None]:
+    """Who may call the gRPC port (sidecar.grpc_auth); a port that trusts its
+    network listens on loopback only."""
+    try:
+        secret = grpc_auth.secret_of(auth, secret_file)
+        credentials = grpc_auth.server_credentials(auth.tls) if auth.tls is not None else None
+    except grpc_auth.SecretError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if secret is None and credentials is None and not grpc_auth.is_loopback(listen):
+        raise SystemExit(f"error: the gRPC port {listen} is beyond loopback and unauthenticated: set "
+                         "server.grpc_auth.secret (or secret_file, or tls) and give Envoy the same secret "
+                         "(model-router envoy-config writes it into the bootstrap)")
+    return grpc_auth.Gate(secret, auth), credentials
+
+
 def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
     """Worker i listens on the configured ports plus i."""
     def shifted(addr: str) -> list[str]:
@@ -324,15 +341,18 @@ async def serve_async(
     admin_listen: str | None = None,
     url_overrides: Mapping[str, str] | None = None,
     usage_records: str | None = None,
+    grpc_secret_file: str | None = None,
 ) -> None:
-    runtime = Runtime(config_path, url_overrides, usage_records)
+    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file)
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen
     # A supervised worker shares its admin port with its replacement while it drains.
     shared = workers.supervised()
     limit = cfg.max_body_bytes + 1024 * 1024
+    gate, credentials = _grpc_gate(cfg.grpc_auth, grpc_secret_file, grpc_listen)
     server = grpc.aio.server(
+        interceptors=[grpc_auth.Interceptor(gate, lambda s: metrics.GRPC_UNAUTHENTICATED.labels(s).inc())],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -358,7 +378,7 @@ async def serve_async(
     except ImportError:
         pass
     try:
-        port = server.add_insecure_port(grpc_listen)
+        port = server.add_secure_port(grpc_listen, credentials) if credentials else server.add_insecure_port(grpc_listen)
     except RuntimeError:
         port = 0
     if port == 0:
