@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from . import errors, explain, listing, metrics, routing, websearch
+from . import errors, explain, listing, metrics, response_ids, routing, websearch
 from .body import named_models
 from .cache import ResponseCache
 from .errors import Reply
@@ -226,7 +226,8 @@ class Processor(pbg.ExternalProcessorServicer):
                     if plan is None:
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                         return
-                    response = ResponseStream(plan)
+                    tagger = response_ids.tagger(plan.id_tag, self.runtime.snapshot.id_key)
+                    response = ResponseStream(replace(plan, tagger=tagger))
                     yield response.headers(req.response_headers)
                     if response.finished:
                         return

@@ -15,6 +15,7 @@ usage chunk it removed, and payloads strict JSON refuses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -71,7 +72,8 @@ class Rewrite:
     family: str
     strip_usage: bool  # remove the usage the router injected into a stream
     store: Store | None = None  # keep the backend's answer in the response cache
-    id_tag: str | None = None  # put before Responses API ids (sidecar.response_ids)
+    id_tag: str | None = None  # the owner to seal into Responses API ids (sidecar.response_ids)
+    tagger: Callable[[str], str] | None = None  # the engine's id -> the client's, from id_tag and the router's key
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -145,7 +147,7 @@ class ResponseStream:
         ctype = h.get("content-type", "").lower()
         if ctype.startswith("text/event-stream"):
             self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage,
-                                        id_tag=self.plan.id_tag)
+                                        id_tag=self.plan.tagger)
         elif "json" not in ctype:
             return resp
         if length is None and self.rewriter is not None:
@@ -249,7 +251,7 @@ class ResponseStream:
 
     def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
         """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""
-        model, family, tag = self.plan.model, self.plan.family, self.plan.id_tag
+        model, family, tag = self.plan.model, self.plan.family, self.plan.tagger
         if self.buffered:
             if self.rewriter is not None:
                 out = self.rewriter.feed(msg.body) + self.rewriter.finish()

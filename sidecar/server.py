@@ -22,7 +22,19 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_config, admin_token, experiments_diff, explain, grpc_auth, listing, metrics, snapshot, srm, workers
+from . import (
+    admin_config,
+    admin_token,
+    experiments_diff,
+    explain,
+    grpc_auth,
+    listing,
+    metrics,
+    response_ids,
+    snapshot,
+    srm,
+    workers,
+)
 from . import config as config_mod
 from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
@@ -51,7 +63,8 @@ class Runtime:
         loaded = config_mod.load(self.path)
         for w in loaded.warnings:
             log.warning("config: %s", w)
-        self.snapshot = snapshot.build(loaded.config, self.url_overrides)
+        self.id_key = self._id_key(loaded.config)
+        self.snapshot = snapshot.build(loaded.config, self.url_overrides, id_key=self.id_key)
         self._stamp = self._file_stamp()
         self.ready = False
         self.monitor = None
@@ -66,6 +79,15 @@ class Runtime:
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
+
+    def _id_key(self, config: config_mod.Config) -> bytes:
+        """The key sealing response ids: from the gRPC secret every replica
+        shares; without one, this process's own (ids last as long as it)."""
+        try:
+            secret = grpc_auth.secret_of(config.server.grpc_auth, self.grpc_secret_file)
+        except grpc_auth.SecretError as exc:
+            raise config_mod.ConfigError([f"server.grpc_auth: {exc}"]) from None
+        return response_ids.derive(secret) if secret else response_ids.PROCESS_KEY
 
     def http_session(self):
         """One client session for the sidecar's own upstream calls (the :online loop)."""
@@ -96,7 +118,7 @@ class Runtime:
 
     def set_discovered(self, discovered: dict[str, tuple[str, ...]]) -> None:
         """The monitor found new model lists: rebuild the snapshot around them."""
-        self.snapshot = snapshot.build(self.snapshot.config, self.url_overrides, discovered)
+        self.snapshot = snapshot.build(self.snapshot.config, self.url_overrides, discovered, self.id_key)
         log.info("model lists discovered: %s", {k: len(v) for k, v in discovered.items()})
 
     def count_request(self) -> None:
@@ -144,7 +166,8 @@ class Runtime:
             self._stamp = self._file_stamp()
         try:
             loaded = config_mod.load(self.path)
-            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
+            id_key = self._id_key(loaded.config)
+            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered, id_key)
         except Exception as exc:  # any failure rejects the edit; the watcher must live on
             metrics.CONFIG_RELOADS.labels("failure").inc()
             problems = exc.errors if isinstance(exc, config_mod.ConfigError) else [type(exc).__name__]
@@ -152,6 +175,7 @@ class Runtime:
             return False
         for w in loaded.warnings:
             log.warning("config: %s", w)
+        self.id_key = id_key
         self.snapshot = new
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()

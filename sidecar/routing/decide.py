@@ -454,7 +454,9 @@ def _build(
     if target != req.path:
         new_path = target
     if ingress.response_ids and (parsed.json or {}).get("store") is not False:
-        plan.id_tag = Owner(chosen.name, plan.rewrite_model or client_model, plan.rewrite_model is not None).tag()
+        key_id = req.caller.key.id if req.caller.key is not None else ""
+        plan.id_tag = Owner(chosen.name, plan.rewrite_model or client_model, plan.rewrite_model is not None,
+                            key_id).payload()
     set_headers, remove_headers = upstream_auth(snap, chosen)
     return Route(
         backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
