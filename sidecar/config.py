@@ -585,6 +585,8 @@ class Config(_Model):
 class Loaded:
     config: Config
     warnings: list[str] = field(default_factory=list)
+    # (value, ${ENV} reference) of every expansion: answers show the reference.
+    substituted: list[tuple[str, str]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- loading
@@ -646,16 +648,19 @@ def _message(err: dict) -> str:
     return err.get("msg", "invalid value")
 
 
-def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str]) -> Any:
+def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str], seen: list[tuple[str, str]]) -> Any:
+    """``${ENV}`` references expanded; ``seen`` collects (value, reference) so no
+    error or answer shows the value."""
     if isinstance(node, dict):
-        return {k: _substitute(v, path + (k,), errors, env) for k, v in node.items()}
+        return {k: _substitute(v, path + (k,), errors, env, seen) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute(v, path + (i,), errors, env) for i, v in enumerate(node)]
+        return [_substitute(v, path + (i,), errors, env, seen) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
 
         def repl(m: re.Match) -> str:
             name, default = m.group(1), m.group(2)
             if name in env:
+                seen.append((env[name], m.group(0)))
                 return env[name]
             if default is not None:
                 return default
@@ -667,8 +672,14 @@ def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str]) 
 
 
 def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
-    """Parse and validate config text; raise :class:`ConfigError` listing every problem."""
+    """Parse and validate config text; raise :class:`ConfigError` listing every
+    problem (never an ``${ENV}`` value: :mod:`sidecar.config_guard`)."""
+    from .config_guard import expansion_error, redact_error, too_large
+
     env = dict(os.environ) if env is None else env
+    big = too_large(text)
+    if big:
+        raise ConfigError([big])
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -681,22 +692,28 @@ def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
         raise ConfigError(["(root): nested too deeply"]) from None
     if not isinstance(raw, dict):
         raise ConfigError(["(root): must be a mapping of sections"])
+    expanded = expansion_error(raw)
+    if expanded:
+        raise ConfigError([expanded])
     errors: list[str] = []
+    seen: list[tuple[str, str]] = []
     try:
-        raw = _substitute(raw, (), errors, env)
+        raw = _substitute(raw, (), errors, env, seen)
         if errors:
             raise ConfigError(errors)
         config = Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError([f"{_path(e['loc'], _is_key_error(e))}: {_message(e)}" for e in exc.errors()]) from None
+        errors = [f"{_path(e['loc'], _is_key_error(e))}: {_message(e)}" for e in exc.errors()]
+        raise ConfigError([redact_error(e, seen) for e in errors]) from None
     except RecursionError:
         raise ConfigError(["(root): nested too deeply"]) from None
     from .config_rules import check
 
     errors, warnings = check(config)
+    warnings = [redact_error(w, seen) for w in warnings]
     if errors:
-        raise ConfigError(errors, warnings)
-    return Loaded(config, warnings)
+        raise ConfigError([redact_error(e, seen) for e in errors], warnings)
+    return Loaded(config, warnings, seen)
 
 
 def load(path: str | Path, env: dict[str, str] | None = None) -> Loaded:

@@ -11,9 +11,12 @@ as the file had them, when consistent) and may rewrap very long lines.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -159,6 +162,22 @@ def still_masked(text: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- writing
+
+
+@contextlib.contextmanager
+def locked(path: str | Path) -> Iterator[None]:
+    """Hold the config file's write lock (``fcntl.flock`` on a ``.<name>.lock``
+    file beside it): every writer (the admin API of each sidecar, ``model-router
+    experiments pause``) reads, edits and writes under it, so no edit is lost to
+    another made at the same moment. Raises OSError when the lock file cannot
+    be opened (a read-only directory, where no write could succeed either)."""
+    target = Path(os.path.realpath(path))
+    fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_atomic(path: str | Path, text: str) -> None:

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import (
     admin_config,
     admin_token,
+    config_guard,
     experiments_diff,
     explain,
     grpc_auth,
@@ -55,9 +56,11 @@ class Runtime:
 
     def __init__(
         self, path: str | Path, url_overrides: Mapping[str, str] | None = None, usage_records: str | None = None,
-        grpc_secret_file: str | None = None,
+        grpc_secret_file: str | None = None, admin_path_root: str | None = None,
     ):
         self.path = Path(path)
+        self.admin_path_root = admin_path_root  # where the admin API may point file fields
+        self.admin_writes = asyncio.Lock()  # one admin config write at a time in this process
         self.grpc_secret_file = grpc_secret_file  # overrides server.grpc_auth's secret
         self.url_overrides = dict(url_overrides or {})
         loaded = config_mod.load(self.path)
@@ -151,9 +154,13 @@ class Runtime:
         return self.reload()
 
     def candidate(self, text: str) -> config_mod.Loaded:
-        """Config text validated as a reload validates a file, and not applied.
-        Raises :class:`~sidecar.config.ConfigError`."""
+        """Config text from the admin API validated as a reload validates a
+        file, and not applied; it may change file paths only inside
+        ``admin_path_root``. Raises :class:`~sidecar.config.ConfigError`."""
         loaded = config_mod.parse(text)
+        paths = config_guard.path_errors(self.snapshot.config, loaded.config, self.admin_path_root)
+        if paths:
+            raise config_mod.ConfigError(paths, loaded.warnings)
         try:
             snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
         except Exception as exc:
@@ -290,14 +297,22 @@ async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
         return web.json_response({"error": f"the config is larger than {_ADMIN_BODY_LIMIT} bytes"}, status=413)
     except UnicodeDecodeError:
         return web.json_response({"error": "the body must be the config's YAML text, in UTF-8"}, status=400)
-    try:
+    current = runtime.snapshot.config
+
+    def preview() -> dict:
+        # Off the event loop: parsing and validating a large config never stalls requests.
         loaded = runtime.candidate(text)
+        found = experiments_diff.diff(current, loaded.config, time.time())
+        return config_guard.redact({"dry_run": True, "warnings": loaded.warnings, **found.to_dict()},
+                                   loaded.substituted)
+
+    try:
+        answer = await asyncio.to_thread(preview)
     except config_mod.ConfigError as exc:
         return web.json_response(
             {"error": "the config is invalid", "errors": exc.errors, "warnings": exc.warnings}, status=422
         )
-    preview = experiments_diff.diff(runtime.snapshot.config, loaded.config, time.time())
-    return web.json_response({"dry_run": True, "warnings": loaded.warnings, **preview.to_dict()})
+    return web.json_response(answer)
 
 
 async def _explain(runtime: Runtime, request: web.Request) -> web.Response:
@@ -366,8 +381,9 @@ async def serve_async(
     url_overrides: Mapping[str, str] | None = None,
     usage_records: str | None = None,
     grpc_secret_file: str | None = None,
+    admin_path_root: str | None = None,
 ) -> None:
-    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file)
+    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root)
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen

@@ -121,6 +121,7 @@ class Stack:
     # unless the config's server.grpc_auth names one.
     grpc_secret: str | None = None
     grpc_secret_file: Path | None = None
+    admin_path_root: Path | None = None  # serve --admin-path-root
     # Supervision (poll/supervise): restart an unexpected exit as the policy
     # says (sidecar.restarts); give up as it says, or when a restarted process
     # is not ready within restart_ready_timeout.
@@ -263,6 +264,8 @@ class Stack:
             argv += ["--usage-records", str(self.usage_records)]
         if self.grpc_secret_file is not None:
             argv += ["--grpc-secret-file", str(self.grpc_secret_file)]
+        if self.admin_path_root is not None:
+            argv += ["--admin-path-root", str(self.admin_path_root)]
         return argv
 
     def stop_sidecar(self, i: int | None = None, sig: int = signal.SIGTERM) -> None:
