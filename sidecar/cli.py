@@ -62,7 +62,8 @@ def cmd_serve(args) -> int:
     if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
               url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format,
-              grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root)
+              grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root,
+              grpc_trust_network=args.grpc_trust_network)
         return 0
     # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
@@ -74,6 +75,8 @@ def cmd_serve(args) -> int:
         extra += ["--grpc-secret-file", args.grpc_secret_file]
     if args.admin_path_root:
         extra += ["--admin-path-root", args.admin_path_root]
+    if args.grpc_trust_network:
+        extra.append("--grpc-trust-network")
 
     standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
 
@@ -315,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log lines as text (default) or one JSON object each (env: MODEL_ROUTER_LOG_FORMAT)")
     s.add_argument("--grpc-secret-file", metavar="PATH",
                    help="the secret Envoy sends on the gRPC port (overrides server.grpc_auth.secret)")
+    s.add_argument("--grpc-trust-network", action="store_true",
+                   help="serve gRPC beyond loopback without server.grpc_auth: only where a NetworkPolicy (model-router "
+                        "k8s writes one) or a mesh admits Envoy alone")
     s.add_argument("--admin-path-root", metavar="DIR",
                    help="PUT /admin/config may point file fields (metering.usage_records, ...) only inside DIR "
                         "(default: it may not change them)")

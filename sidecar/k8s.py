@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from . import k8s_access
 from .config import Config
 from .envoyconf import backend_routes
 from .response_stream import RESPONSE_HEADER
@@ -53,6 +54,7 @@ class Options:
     gateway: str = "model-router"  # the Gateway the HTTPRoute attaches to (parentRef)
     gateway_namespace: str | None = None  # default: the router's namespace
     backend_urls: dict[str, str] = field(default_factory=dict)  # replaces backend URLs, as envoy-config does
+    monitoring_namespace: str = "monitoring"  # may scrape the admin port (NetworkPolicy)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         volumeMounts=[{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                       {"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
     )
+    grpc_secret = k8s_access.wire(config, config_text, opts, container)
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(opts.name, opts, "sidecar"),
         "spec": {
@@ -178,6 +181,8 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(opts.name, opts, "sidecar"),
          "spec": {"selector": {"matchLabels": _selector(opts, "sidecar")},
                   "endpoints": [{"port": "http-admin", "path": "/metrics", "interval": "15s"}]}},
+        k8s_access.network_policy(opts, _selector(opts, "sidecar"), GRPC_PORT, ADMIN_PORT, opts.monitoring_namespace),
+        *grpc_secret,
     ]
 
 
@@ -254,7 +259,7 @@ def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> lis
 
 def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list[dict]]:
     """Every file's documents, by file name."""
-    from .k8s_gateways import envoy_gateway, istio
+    from .k8s_gateways import envoy_gateway, istio, istio_cluster
 
     if config.server.max_requests_per_worker:
         raise K8sError("server.max_requests_per_worker: a pod runs one sidecar process on one port (its "
@@ -264,12 +269,19 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
                        "clusters, which only the product's own bootstrap has; set fallback_attempts: 0 "
                        "(fallback_chains still apply when the sidecar decides)")
     refs = backend_refs(config, opts.backend_urls)
-    return {
-        "sidecar.yaml": _sidecar(config, config_text, opts, refs) + _demo_engines(config, opts, refs),
-        "routes.yaml": httproute(config, opts, refs),
-        "istio.yaml": istio(config, opts),
-        "envoy-gateway.yaml": envoy_gateway(config, opts),
-    }
+    try:
+        files = {
+            "sidecar.yaml": _sidecar(config, config_text, opts, refs) + _demo_engines(config, opts, refs),
+            "routes.yaml": httproute(config, opts, refs),
+            "istio.yaml": k8s_access.with_secret(config, istio(config, opts), istio_cluster(opts)),
+        }
+    except k8s_access.AccessError as exc:
+        raise K8sError(str(exc)) from None
+    if config.server.grpc_auth.secret is None:
+        # Envoy Gateway's EnvoyExtensionPolicy cannot send gRPC metadata: with
+        # a secret, only the Istio recipe reaches the sidecar.
+        files["envoy-gateway.yaml"] = envoy_gateway(config, opts)
+    return files
 
 
 class _Dumper(yaml.SafeDumper):

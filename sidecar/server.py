@@ -341,18 +341,21 @@ class _SinkOf:
             sink.write(records)
 
 
-def _grpc_gate(auth, secret_file: str | None, listen: str) -> tuple[grpc_auth.Gate, grpc.ServerCredentials | None]:
-    """Who may call the gRPC port (sidecar.grpc_auth); a port that trusts its
-    network listens on loopback only."""
+def _grpc_gate(
+    auth, secret_file: str | None, listen: str, trust_network: bool,
+) -> tuple[grpc_auth.Gate, grpc.ServerCredentials | None]:
+    """Who may call the gRPC port (sidecar.grpc_auth); an unauthenticated port
+    listens on loopback only, unless told a NetworkPolicy guards it."""
     try:
         secret = grpc_auth.secret_of(auth, secret_file)
         credentials = grpc_auth.server_credentials(auth.tls) if auth.tls is not None else None
     except grpc_auth.SecretError as exc:
         raise SystemExit(f"error: {exc}") from None
-    if secret is None and credentials is None and not grpc_auth.is_loopback(listen):
+    if secret is None and credentials is None and not grpc_auth.is_loopback(listen) and not trust_network:
         raise SystemExit(f"error: the gRPC port {listen} is beyond loopback and unauthenticated: set "
                          "server.grpc_auth.secret (or secret_file, or tls) and give Envoy the same secret "
-                         "(model-router envoy-config writes it into the bootstrap)")
+                         "(model-router envoy-config writes it into the bootstrap), or pass --grpc-trust-network "
+                         "where a NetworkPolicy admits Envoy alone")
     return grpc_auth.Gate(secret, auth), credentials
 
 
@@ -382,6 +385,7 @@ async def serve_async(
     usage_records: str | None = None,
     grpc_secret_file: str | None = None,
     admin_path_root: str | None = None,
+    grpc_trust_network: bool = False,
 ) -> None:
     runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root)
     cfg = runtime.snapshot.config.server
@@ -390,7 +394,7 @@ async def serve_async(
     # A supervised worker shares its admin port with its replacement while it drains.
     shared = workers.supervised()
     limit = cfg.max_body_bytes + 1024 * 1024
-    gate, credentials = _grpc_gate(cfg.grpc_auth, grpc_secret_file, grpc_listen)
+    gate, credentials = _grpc_gate(cfg.grpc_auth, grpc_secret_file, grpc_listen, grpc_trust_network)
     server = grpc.aio.server(
         interceptors=[grpc_auth.Interceptor(gate, lambda s: metrics.GRPC_UNAUTHENTICATED.labels(s).inc())],
         options=[
