@@ -3,6 +3,9 @@ Envoy's own (carrying the per-run secret) are served."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import grpc
 import httpx
 import pytest
@@ -152,3 +155,78 @@ def test_every_sidecar_call_in_the_bootstrap_carries_the_secret():
     assert len(services) >= 5
     for s in services:
         assert s["initial_metadata"] == [{"key": METADATA_KEY, "value": "s" * 20}]
+
+
+# --------------------------------------------------------------------- mTLS
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d, name: str = "ca") -> dict[str, str]:
+    """A throwaway CA, a server certificate for sidecar.test and a client certificate."""
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1",
+             "-subj", f"/CN={name}", cwd=d)
+    out = {"ca": str(d / f"{name}.pem")}
+    for who, ext in (("server", "subjectAltName=DNS:sidecar.test\nextendedKeyUsage=serverAuth\n"),
+                     ("client", "extendedKeyUsage=clientAuth\n")):
+        (d / f"{name}-{who}.ext").write_text(ext)
+        _openssl("req", *ec, "-keyout", f"{name}-{who}.key", "-out", f"{name}-{who}.csr", "-subj", f"/CN={who}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}-{who}.csr", "-CA", f"{name}.pem", "-CAkey", f"{name}.key",
+                 "-CAcreateserial", "-out", f"{name}-{who}.pem", "-days", "1", "-extfile", f"{name}-{who}.ext", cwd=d)
+        out[who] = str(d / f"{name}-{who}.pem")
+        out[f"{who}_key"] = str(d / f"{name}-{who}.key")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificates")
+    d = tmp_path_factory.mktemp("pki")
+    return make_pki(d), make_pki(d, "rogue")
+
+
+@pytest.fixture(scope="module")
+def tls_stack(stack_factory, pki):
+    ours, _ = pki
+    tls = (f"{{cert_file: '{ours['server']}', key_file: '{ours['server_key']}', client_ca_file: '{ours['ca']}', "
+           f"envoy_cert_file: '{ours['client']}', envoy_key_file: '{ours['client_key']}', server_name: sidecar.test}}")
+    return stack_factory(f"server: {{grpc_auth: {{tls: {tls}}}}}\n" + CONFIG)
+
+
+def _tls_call(addr: str, ca: str, cert: tuple[str, str] | None, metadata=()) -> grpc.RpcError | None:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=open(ca, "rb").read(),
+        private_key=open(cert[1], "rb").read() if cert else None,
+        certificate_chain=open(cert[0], "rb").read() if cert else None,
+    )
+    options = (("grpc.ssl_target_name_override", "sidecar.test"),)
+    with grpc.secure_channel(addr, creds, options=options) as channel:
+        try:
+            rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit(
+                rls_pb2.RateLimitRequest(domain="model_router"), metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+@pytest.mark.integration
+def test_with_mtls_envoy_routes_and_a_caller_without_the_certificate_is_refused(tls_stack, pki):
+    ours, rogue = pki
+    r = httpx.post(tls_stack.url + "/v1/chat/completions", headers={"authorization": "Bearer user-1"},
+                   json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 200, r.text
+    addr = tls_stack.sidecar_grpc[0]
+    secret = ((METADATA_KEY, tls_stack.grpc_secret),)
+    assert ask_rate(addr, secret).code() == grpc.StatusCode.UNAVAILABLE  # plaintext: no handshake
+    for cert in (None, (rogue["client"], rogue["client_key"])):  # no certificate; another CA's
+        err = _tls_call(addr, ours["ca"], cert, secret)
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, cert
+    # The control: the right certificate (and the secret) is served, so the
+    # refusals above are the handshake's.
+    assert _tls_call(addr, ours["ca"], (ours["client"], ours["client_key"]), secret) is None
+    err = _tls_call(addr, ours["ca"], (ours["client"], ours["client_key"]))
+    assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED  # the secret still counts
