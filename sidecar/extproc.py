@@ -42,6 +42,7 @@ from .response_stream import (
     NAMESPACE,
     RESPONSE_HEADER,
     ResponseStream,
+    Rewrite,
     header_map,
     rewrite_of,
     silence_limit,
@@ -226,6 +227,16 @@ class Processor(pbg.ExternalProcessorServicer):
                     if plan is None:
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                         return
+                    if plan.not_found is not None:
+                        if header_map(req.response_headers).get(":status") == "404":
+                            # The engine lost it: the router's own answer, the one an id never issued gets.
+                            yield immediate(errors.response_not_found(plan.not_found))
+                            return
+                        if replace(plan, not_found=None) == Rewrite(None, plan.family, False):
+                            # Only the status mattered: the body goes on unseen.
+                            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
+                                                        mode_override=_MODE_NOTHING_MORE)
+                            return
                     tagger = response_ids.tagger(plan.id_tag, self.runtime.snapshot.id_key)
                     response = ResponseStream(replace(plan, tagger=tagger))
                     yield response.headers(req.response_headers)

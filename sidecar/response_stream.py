@@ -74,6 +74,7 @@ class Rewrite:
     store: Store | None = None  # keep the backend's answer in the response cache
     id_tag: str | None = None  # the owner to seal into Responses API ids (sidecar.response_ids)
     tagger: Callable[[str], str] | None = None  # the engine's id -> the client's, from id_tag and the router's key
+    not_found: str | None = None  # a follow-up's id: the engine's 404 is answered as the router's
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -86,11 +87,12 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
     family = fields["family"].string_value if "family" in fields else "openai"
     tag = fields["id_tag"].string_value if "id_tag" in fields else ""
+    not_found = fields["not_found"].string_value if "not_found" in fields else ""
     store = _store_of(fields)
-    if not model and not strip and store is None and not tag:
+    if not model and not strip and store is None and not tag and not not_found:
         return None
     return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
-                   id_tag=tag or None)
+                   id_tag=tag or None, not_found=not_found or None)
 
 
 def _store_of(fields) -> Store | None:

@@ -110,7 +110,8 @@ def test_a_follow_up_goes_to_the_owner_with_its_credentials_and_the_create_s_nam
     assert isinstance(r, Route) and r.backend.name == "b"
     assert r.path == "/v1/responses/resp_up/input_items?limit=2"
     assert ("authorization", "Bearer sk-b") in r.set_headers
-    assert not r.plan.needs_response  # a list of items carries no response id
+    # A list of items carries no response id: only its status is looked at.
+    assert r.plan.id_tag is None and r.plan.rewrite_model is None and r.plan.not_found == r_id
     hidden = rid(snap, Owner("a", "chat", True, "all"), "resp_h")
     r = follow_up(snap, f"/v1/responses/{hidden}", hidden, "", caller(snap))
     assert r.path == "/base/v1/responses/resp_h"

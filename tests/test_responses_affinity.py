@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -207,6 +208,23 @@ def test_unknown_edited_and_forged_ids_get_the_router_404_and_reach_no_engine(st
     assert client.responses.retrieve(real.id).output_text == real.output_text  # the real id still works
 
 
+def test_an_id_the_engine_lost_gets_the_router_404_not_the_engine_s(stack):
+    """Deleted on the engine: the engine answers 404 in its own words; the
+    client gets the router's bytes (and headers), as for an id never issued."""
+    client = sdk(stack)
+    gone = client.responses.create(model="gpt-r", input="soon gone")
+    client.responses.delete(gone.id)
+    never = gone.id[:-3] + "zzz"  # same length and shape, never issued
+    auth = {"authorization": "Bearer sk-all"}
+    for method, suffix in (("GET", ""), ("GET", "/input_items"), ("POST", "/cancel"), ("DELETE", "")):
+        lost = httpx.request(method, f"{stack.url}/v1/responses/{gone.id}{suffix}", headers=auth, timeout=30)
+        unknown = httpx.request(method, f"{stack.url}/v1/responses/{never}{suffix}", headers=auth, timeout=30)
+        assert lost.status_code == unknown.status_code == 404
+        assert lost.content == orjson.dumps(not_found(gone.id))
+        assert lost.content.replace(gone.id.encode(), b"ID") == unknown.content.replace(never.encode(), b"ID")
+        assert sorted(lost.headers.keys()) == sorted(unknown.headers.keys()), suffix
+
+
 def test_another_key_cannot_reach_a_response_by_its_id(stack):
     mine = sdk(stack).responses.create(model="gpt-r", input="my secret is 42")
     theirs = sdk(stack, "sk-two")
@@ -240,11 +258,12 @@ def test_a_key_that_may_not_use_the_owner_is_refused_like_an_unknown_id(stack):
 
 
 def test_follow_ups_cost_one_ext_proc_message_plus_the_rewrite_of_their_answer(stack):
-    """Decided at the request headers. An input items listing needs nothing
-    from its answer; a retrieve's answer gets its id tagged (headers and body)."""
+    """Decided at the request headers. An input items listing's answer is
+    looked at only for its status (an engine's 404 becomes the router's); a
+    retrieve's answer gets its id tagged (headers and body)."""
     client = sdk(stack)
     r = client.responses.create(model="gpt-r", input="count")
-    for call, cost in ((client.responses.input_items.list, 1), (client.responses.retrieve, 3)):
+    for call, cost in ((client.responses.input_items.list, 2), (client.responses.retrieve, 3)):
         before = envoy_stat(stack, "stream_msgs_sent")  # the request and the response processors
         for _ in range(3):
             call(r.id)
