@@ -230,3 +230,56 @@ def test_with_mtls_envoy_routes_and_a_caller_without_the_certificate_is_refused(
     assert _tls_call(addr, ours["ca"], (ours["client"], ours["client_key"]), secret) is None
     err = _tls_call(addr, ours["ca"], (ours["client"], ours["client_key"]))
     assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED  # the secret still counts
+
+
+# --------------------------------------------------------------------- the rule, and serve's refusal
+
+
+def _gate(**auth):
+    from sidecar.config import GrpcAuth
+    from sidecar.grpc_auth import Gate
+
+    spec = GrpcAuth(**auth)
+    return Gate(spec.secret, spec)
+
+
+ASSIGN = "/model_router.v1.Assignment/Assign"
+EXT_PROC = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+HEALTH = "/grpc.health.v1.Health/Check"
+
+
+def test_the_assignment_api_takes_its_own_token_and_not_envoys_secret():
+    gate = _gate(secret="e" * 20, assignment_token="t" * 20)
+    assert gate.admits(ASSIGN, {"authorization": "Bearer " + "t" * 20})
+    assert not gate.admits(ASSIGN, {METADATA_KEY: "e" * 20})
+    assert not gate.admits(ASSIGN, {"authorization": "t" * 20})  # no scheme
+    assert not gate.admits(EXT_PROC, {"authorization": "Bearer " + "t" * 20})
+    assert gate.admits(EXT_PROC, {METADATA_KEY: "e" * 20})
+    assert not _gate(secret="e" * 20).admits(ASSIGN, {METADATA_KEY: "e" * 20})  # no token: closed
+    assert gate.admits(HEALTH, {})
+
+
+def test_without_grpc_auth_the_port_trusts_its_network():
+    gate = _gate()
+    assert gate.admits(EXT_PROC, {}) and gate.admits(ASSIGN, {})
+
+
+@pytest.mark.parametrize("value", ["short", "has space in it 0123", "x" * 15])
+def test_a_weak_secret_is_refused_at_load(value):
+    from sidecar.config import ConfigError, parse
+
+    with pytest.raises(ConfigError) as info:
+        parse(f"server: {{grpc_auth: {{secret: '{value}'}}}}\nbackends: [{{name: a, url: 'demo://'}}]\n", env={})
+    assert info.value.errors[0].startswith("server.grpc_auth.secret: must")
+
+
+def test_serve_refuses_an_unauthenticated_port_beyond_loopback(tmp_path):
+    import sys
+
+    config = tmp_path / "c.yaml"
+    config.write_text("backends: [{name: a, url: 'http://127.0.0.1:9'}]\n")
+    done = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--config", str(config),
+                           "--grpc-listen", "0.0.0.0:0", "--admin-listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "beyond loopback and unauthenticated" in done.stderr
