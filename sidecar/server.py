@@ -85,11 +85,12 @@ class Runtime:
 
     def _id_key(self, config: config_mod.Config) -> bytes:
         """The key sealing response ids: from the gRPC secret every replica
-        shares; without one, this process's own (ids last as long as it)."""
+        shares; without one, this process's own (ids last as long as it).
+        Read at start, like the gRPC gate: Envoy's secret changes with a restart."""
         try:
             secret = grpc_auth.secret_of(config.server.grpc_auth, self.grpc_secret_file)
         except grpc_auth.SecretError as exc:
-            raise config_mod.ConfigError([f"server.grpc_auth: {exc}"]) from None
+            raise SystemExit(f"error: {exc}") from None
         return response_ids.derive(secret) if secret else response_ids.PROCESS_KEY
 
     def http_session(self):
@@ -173,8 +174,7 @@ class Runtime:
             self._stamp = self._file_stamp()
         try:
             loaded = config_mod.load(self.path)
-            id_key = self._id_key(loaded.config)
-            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered, id_key)
+            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered, self.id_key)
         except Exception as exc:  # any failure rejects the edit; the watcher must live on
             metrics.CONFIG_RELOADS.labels("failure").inc()
             problems = exc.errors if isinstance(exc, config_mod.ConfigError) else [type(exc).__name__]
@@ -182,7 +182,6 @@ class Runtime:
             return False
         for w in loaded.warnings:
             log.warning("config: %s", w)
-        self.id_key = id_key
         self.snapshot = new
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
