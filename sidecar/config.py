@@ -141,10 +141,6 @@ class GrpcAuth(_Model):
             raise ValueError("give secret or secret_file, not both")
         return self
 
-    @property
-    def authenticated(self) -> bool:
-        return self.secret is not None or self.secret_file is not None or self.tls is not None
-
 
 class Server(_Model):
     grpc_listen: str = "127.0.0.1:50051"
