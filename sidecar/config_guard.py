@@ -30,20 +30,25 @@ def too_large(text: str) -> str | None:
 
 
 def expansion_error(raw: Any) -> str | None:
-    """Whether ``raw`` (as parsed, aliases shared) expands past :data:`MAX_NODES`; stops counting there."""
-    count = 0
-    stack = [raw]
+    """Whether ``raw`` (as parsed, aliases shared) expands past :data:`MAX_NODES`.
+    Each distinct node is sized once (an alias is the same object), so the
+    check costs what the text holds, not what it expands to."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(raw, False)]
     while stack:
-        node = stack.pop()
-        count += 1
-        if count > MAX_NODES:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        kids = list(node.keys()) + list(node.values()) if isinstance(node, dict) else (
+            node if isinstance(node, list) else [])
+        if not children_done and kids:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in sizes)
+            continue
+        sizes[id(node)] = 1 + sum(sizes.get(id(k), 1) for k in kids)
+        if sizes[id(node)] > MAX_NODES:
             return (f"(root): the config expands to more than {MAX_NODES} values "
                     "(YAML aliases repeat what they name; write the values out)")
-        if isinstance(node, dict):
-            stack.extend(node.keys())
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
     return None
 
 
