@@ -35,6 +35,11 @@ from .config import GrpcAuth, GrpcTls
 METADATA_KEY = "x-model-router-grpc-secret"
 ASSIGNMENT_SERVICE = "model_router.v1.Assignment"
 HEALTH_SERVICE = "grpc.health.v1.Health"
+# Every service the port serves but health: the refusal counter's label values.
+GUARDED_SERVICES = (
+    "envoy.service.ext_proc.v3.ExternalProcessor", "envoy.service.accesslog.v3.AccessLogService",
+    "envoy.service.ratelimit.v3.RateLimitService", ASSIGNMENT_SERVICE,
+)
 MIN_SECRET = 16
 _T = "type.googleapis.com/"
 

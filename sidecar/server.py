@@ -394,6 +394,8 @@ async def serve_async(
     shared = workers.supervised()
     limit = cfg.max_body_bytes + 1024 * 1024
     gate, credentials = _grpc_gate(cfg.grpc_auth, grpc_secret_file, grpc_listen, grpc_trust_network)
+    for service in grpc_auth.GUARDED_SERVICES:  # a refusal's first count is an increase
+        metrics.GRPC_UNAUTHENTICATED.labels(service)
     server = grpc.aio.server(
         interceptors=[grpc_auth.Interceptor(gate, lambda s: metrics.GRPC_UNAUTHENTICATED.labels(s).inc())],
         options=[
