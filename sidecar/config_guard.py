@@ -14,18 +14,32 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import Config
 
-MAX_BYTES = 4 * 1024 * 1024
+MAX_BYTES = 1024 * 1024
 MAX_NODES = 200_000
 
 
+MAX_FLOW_DEPTH = 64
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
 def too_large(text: str) -> str | None:
+    """Text refused before YAML reads it: past :data:`MAX_BYTES`, or with flow
+    brackets nested past :data:`MAX_FLOW_DEPTH` (PyYAML's scanner takes time
+    quadratic in that depth: 2000 levels cost seconds). Brackets are counted
+    as written, inside quotes too; a real config nests a few levels."""
     if len(text) > MAX_BYTES:
         return f"(root): the config is larger than {MAX_BYTES} characters"
+    depth = 0
+    for m in _BRACKETS.finditer(text):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > MAX_FLOW_DEPTH:
+            return "(root): nested too deeply"
     return None
 
 

@@ -210,7 +210,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
     async def reload_view(request):
         if not authorized(request):
             return web.json_response({"error": "admin token required"}, status=401)
-        ok = runtime.reload()
+        ok = await asyncio.to_thread(runtime.reload)
         return web.json_response({"reloaded": ok}, status=200 if ok else 422)
 
     async def models_view(request):
@@ -475,7 +475,8 @@ async def serve_async(
         while not stop.is_set():
             await asyncio.sleep(runtime.snapshot.config.server.reload_interval_ms / 1000)
             try:
-                runtime.reload_if_changed()
+                # In a thread: a large or pathological file never stalls requests.
+                await asyncio.to_thread(runtime.reload_if_changed)
             except Exception:
                 log.exception("config watcher")
 
