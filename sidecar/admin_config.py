@@ -8,6 +8,7 @@ replicas reading the same file reload it on their next check
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,8 @@ class WriteFailed(Exception):
 
 
 def apply(runtime: Runtime, text: str) -> config_mod.Loaded:
-    """Validate ``text``, write it over the config file and reload.
+    """Validate ``text``, write it over the config file and reload, under the
+    file's write lock. Blocking: the views run it off the event loop.
     Raises :class:`Rejected` or :class:`WriteFailed`; a rejected config leaves the file untouched."""
     masked = config_edit.still_masked(text)
     try:
@@ -43,7 +45,8 @@ def apply(runtime: Runtime, text: str) -> config_mod.Loaded:
     if masked:
         raise Rejected(masked, loaded.warnings)
     try:
-        config_edit.write_atomic(runtime.path, text)
+        with config_edit.locked(runtime.path):
+            config_edit.write_atomic(runtime.path, text)
     except OSError as exc:
         raise WriteFailed(f"cannot write {runtime.path}: {exc.strerror or type(exc).__name__}") from None
     if not runtime.reload(mark_seen=True):
@@ -51,6 +54,31 @@ def apply(runtime: Runtime, text: str) -> config_mod.Loaded:
         raise Rejected(["(root): written, but the reload rejected it; see the sidecar's log"], loaded.warnings)
     log.info("config applied through the admin API to %s", runtime.path)
     return loaded
+
+
+def set_paused(runtime: Runtime, experiment: str, variant: str, paused: bool) -> tuple[bool, list[str]]:
+    """Pause or resume an arm in the file (read, edit and apply under the
+    file's write lock): (changed, warnings). Raises :class:`config_edit.EditError`,
+    OSError, UnicodeDecodeError, :class:`Rejected` or :class:`WriteFailed`."""
+    with config_edit.locked(runtime.path):
+        text = runtime.path.read_text(encoding="utf-8")
+        new, changed = config_edit.set_paused(text, experiment, variant, paused)
+        if not changed:
+            return False, []
+        masked = config_edit.still_masked(new)
+        try:
+            loaded = runtime.candidate(new)
+        except config_mod.ConfigError as exc:
+            raise Rejected(masked + exc.errors, exc.warnings) from None
+        if masked:
+            raise Rejected(masked, loaded.warnings)
+        try:
+            config_edit.write_atomic(runtime.path, new)
+        except OSError as exc:
+            raise WriteFailed(f"cannot write {runtime.path}: {exc.strerror or type(exc).__name__}") from None
+    if not runtime.reload(mark_seen=True):
+        raise Rejected(["(root): written, but the reload rejected it; see the sidecar's log"], loaded.warnings)
+    return True, loaded.warnings
 
 
 def _invalid(exc: Rejected) -> web.Response:
@@ -68,7 +96,8 @@ async def put_config(runtime: Runtime, request: web.Request) -> web.Response:
     except UnicodeDecodeError:
         return web.json_response({"error": "the body must be the config's YAML text, in UTF-8"}, status=400)
     try:
-        loaded = apply(runtime, text)
+        async with runtime.admin_writes:
+            loaded = await asyncio.to_thread(apply, runtime, text)
     except Rejected as exc:
         return _invalid(exc)
     except WriteFailed as exc:
@@ -94,20 +123,19 @@ def pause_view(paused: bool):
     async def view(runtime: Runtime, request: web.Request) -> web.Response:
         experiment, variant = request.match_info["experiment"], request.match_info["variant"]
         try:
-            text = runtime.path.read_text(encoding="utf-8")
-            new, changed = config_edit.set_paused(text, experiment, variant, paused)
+            async with runtime.admin_writes:
+                changed, warnings = await asyncio.to_thread(set_paused, runtime, experiment, variant, paused)
         except config_edit.EditError as exc:
             return web.json_response({"error": str(exc)}, status=404)
         except (OSError, UnicodeDecodeError) as exc:
             return web.json_response({"error": f"cannot read {runtime.path}: {type(exc).__name__}"}, status=500)
+        except Rejected as exc:
+            return _invalid(exc)
+        except WriteFailed as exc:
+            return web.json_response({"error": str(exc)}, status=500)
         out: dict[str, Any] = {"experiment": experiment, "variant": variant, "paused": paused, "changed": changed}
         if changed:
-            try:
-                out["warnings"] = apply(runtime, new).warnings
-            except Rejected as exc:
-                return _invalid(exc)
-            except WriteFailed as exc:
-                return web.json_response({"error": str(exc)}, status=500)
+            out["warnings"] = warnings
         return web.json_response(out)
 
     return view

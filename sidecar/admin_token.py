@@ -23,5 +23,6 @@ def matches(expected: str | None, given: bytes) -> bool:
 
 
 def bearer(value: str) -> str:
-    """The token of an ``Authorization: Bearer <token>`` value (the value itself otherwise)."""
-    return value[7:].strip() if value.lower().startswith("bearer ") else value
+    """The token of an ``Authorization: Bearer <token>`` value; "" (which never
+    matches) for any other scheme or a bare token."""
+    return value[7:].strip() if value.lower().startswith("bearer ") else ""

@@ -66,7 +66,9 @@ def cmd_serve(args) -> int:
     overrides = _pairs(args.backend_url, "--backend-url")
     if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
-              url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format)
+              url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format,
+              grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root,
+              grpc_trust_network=args.grpc_trust_network)
         return 0
     # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
@@ -74,6 +76,12 @@ def cmd_serve(args) -> int:
         extra += ["--usage-records", args.usage_records]
     if args.log_format:
         extra += ["--log-format", args.log_format]
+    if args.grpc_secret_file:
+        extra += ["--grpc-secret-file", args.grpc_secret_file]
+    if args.admin_path_root:
+        extra += ["--admin-path-root", args.admin_path_root]
+    if args.grpc_trust_network:
+        extra.append("--grpc-trust-network")
 
     standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
 
@@ -104,8 +112,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _envoy_secret(cfg, path: str | None, create: bool) -> str | None:
+    """The gRPC secret the bootstrap carries: the file's (made first with
+    ``create``, readable by its owner only), else the config's."""
+    from . import grpc_auth
+
+    if path and create and not Path(path).exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(grpc_auth.generate() + "\n")
+    return grpc_auth.secret_of(cfg.server.grpc_auth, path)
+
+
 def cmd_envoy_config(args) -> int:
-    from . import envoyconf
+    from . import envoyconf, grpc_auth
     from .server import worker_addresses
 
     loaded = load_config(args.config)
@@ -117,10 +137,15 @@ def cmd_envoy_config(args) -> int:
         if b.is_demo and b.name not in urls:
             urls[b.name] = f"http://127.0.0.1:{18000 + i}"
             print(f"note: demo backend '{b.name}' mapped to {urls[b.name]} (use --backend-url to change)", file=sys.stderr)
+    try:
+        secret = _envoy_secret(cfg, args.grpc_secret_file, args.create_secret)
+    except grpc_auth.SecretError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     boot = envoyconf.bootstrap(
         cfg, sidecar_addresses=args.sidecar or worker_addresses(cfg.server.grpc_listen, "", cfg.server.workers)[0],
         backend_urls=urls,
-        listen=args.listen, admin_listen=args.admin_listen,
+        listen=args.listen, admin_listen=args.admin_listen, grpc_secret=secret,
     )
     text = envoyconf.render(boot)
     if args.output:
@@ -311,6 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append usage records (JSON lines) here; - for stdout (overrides metering.usage_records)")
     s.add_argument("--log-format", choices=("text", "json"),
                    help="log lines as text (default) or one JSON object each (env: MODEL_ROUTER_LOG_FORMAT)")
+    s.add_argument("--grpc-secret-file", metavar="PATH",
+                   help="the secret Envoy sends on the gRPC port (overrides server.grpc_auth.secret)")
+    s.add_argument("--grpc-trust-network", action="store_true",
+                   help="serve gRPC beyond loopback without server.grpc_auth: only where a NetworkPolicy (model-router "
+                        "k8s writes one) or a mesh admits Envoy alone")
+    s.add_argument("--admin-path-root", metavar="DIR",
+                   help="PUT /admin/config may point file fields (metering.usage_records, ...) only inside DIR "
+                        "(default: it may not change them)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")
@@ -335,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--listen", help="public host:port (default: envoy.listen)")
     e.add_argument("--admin-listen", help="Envoy admin host:port (default: envoy.admin_listen)")
     e.add_argument("-o", "--output", metavar="FILE", help="write the bootstrap here (default: standard output)")
+    e.add_argument("--grpc-secret-file", metavar="PATH",
+                   help="the secret Envoy sends to the sidecar (overrides server.grpc_auth.secret)")
+    e.add_argument("--create-secret", action="store_true",
+                   help="with --grpc-secret-file: write a fresh secret there first when the file does not exist")
     e.set_defaults(func=cmd_envoy_config)
 
     from .k8s_cli import add_arguments as add_k8s

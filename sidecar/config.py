@@ -100,6 +100,48 @@ Name = Annotated[str, AfterValidator(_check_name)]
 ModelName = Annotated[str, AfterValidator(_check_model_name)]
 
 
+class GrpcTls(_Model):
+    """mTLS on the gRPC port: the sidecar's certificate, the CA its callers'
+    certificates must chain to, and the client certificate Envoy presents."""
+
+    cert_file: str  # the sidecar's certificate chain (PEM)
+    key_file: str  # its private key (PEM)
+    client_ca_file: str  # a caller without a certificate signed by this CA is refused at the handshake
+    envoy_cert_file: str  # written into the Envoy bootstrap: the certificate Envoy presents
+    envoy_key_file: str
+    ca_file: str | None = None  # what Envoy trusts for the sidecar's certificate; default client_ca_file
+    server_name: str | None = None  # the SNI and SAN Envoy expects from the sidecar; default: any
+
+
+class GrpcAuth(_Model):
+    """Who may call the gRPC port (docs/security.md, "Control plane")."""
+
+    # The per-deployment secret Envoy sends in gRPC metadata; give it as
+    # ${ENV} or in a file. Unset (and no tls): the port trusts its network and
+    # serve refuses to listen beyond loopback.
+    secret: str | None = None
+    secret_file: str | None = None
+    tls: GrpcTls | None = None
+    # The Assignment API's own credential (other services call it, never Envoy):
+    # sent as "authorization: Bearer <token>" metadata.
+    assignment_token: str | None = None
+
+    @field_validator("secret", "assignment_token")
+    @classmethod
+    def _long_enough(cls, v: str | None) -> str | None:
+        if v is not None and len(v) < 16:
+            raise ValueError("must be at least 16 characters (model-router up generates 43)")
+        if v is not None and any(ord(c) < 0x21 or ord(c) == 0x7F for c in v):
+            raise ValueError("must not contain spaces or control characters (it travels as gRPC metadata)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> GrpcAuth:
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("give secret or secret_file, not both")
+        return self
+
+
 class Server(_Model):
     grpc_listen: str = "127.0.0.1:50051"
     admin_listen: str = "127.0.0.1:9190"
@@ -123,6 +165,7 @@ class Server(_Model):
     # it goes on with the client's model untouched (refused when a key gate or
     # a hidden experiment exists, since those would then be skipped).
     failure_mode: Literal["closed", "open"] = "closed"
+    grpc_auth: GrpcAuth = GrpcAuth()
 
     @field_validator("grpc_listen", "admin_listen")
     @classmethod
@@ -563,6 +606,8 @@ class Config(_Model):
 class Loaded:
     config: Config
     warnings: list[str] = field(default_factory=list)
+    # (value, ${ENV} reference) of every expansion: answers show the reference.
+    substituted: list[tuple[str, str]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- loading
@@ -624,16 +669,19 @@ def _message(err: dict) -> str:
     return err.get("msg", "invalid value")
 
 
-def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str]) -> Any:
+def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str], seen: list[tuple[str, str]]) -> Any:
+    """``${ENV}`` references expanded; ``seen`` collects (value, reference) so no
+    error or answer shows the value."""
     if isinstance(node, dict):
-        return {k: _substitute(v, path + (k,), errors, env) for k, v in node.items()}
+        return {k: _substitute(v, path + (k,), errors, env, seen) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute(v, path + (i,), errors, env) for i, v in enumerate(node)]
+        return [_substitute(v, path + (i,), errors, env, seen) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
 
         def repl(m: re.Match) -> str:
             name, default = m.group(1), m.group(2)
             if name in env:
+                seen.append((env[name], m.group(0)))
                 return env[name]
             if default is not None:
                 return default
@@ -645,8 +693,14 @@ def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str]) 
 
 
 def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
-    """Parse and validate config text; raise :class:`ConfigError` listing every problem."""
+    """Parse and validate config text; raise :class:`ConfigError` listing every
+    problem (never an ``${ENV}`` value: :mod:`sidecar.config_guard`)."""
+    from .config_guard import expansion_error, redact_error, too_large
+
     env = dict(os.environ) if env is None else env
+    big = too_large(text)
+    if big:
+        raise ConfigError([big])
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -659,22 +713,28 @@ def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
         raise ConfigError(["(root): nested too deeply"]) from None
     if not isinstance(raw, dict):
         raise ConfigError(["(root): must be a mapping of sections"])
+    expanded = expansion_error(raw)
+    if expanded:
+        raise ConfigError([expanded])
     errors: list[str] = []
+    seen: list[tuple[str, str]] = []
     try:
-        raw = _substitute(raw, (), errors, env)
+        raw = _substitute(raw, (), errors, env, seen)
         if errors:
             raise ConfigError(errors)
         config = Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError([f"{_path(e['loc'], _is_key_error(e))}: {_message(e)}" for e in exc.errors()]) from None
+        errors = [f"{_path(e['loc'], _is_key_error(e))}: {_message(e)}" for e in exc.errors()]
+        raise ConfigError([redact_error(e, seen) for e in errors]) from None
     except RecursionError:
         raise ConfigError(["(root): nested too deeply"]) from None
     from .config_rules import check
 
     errors, warnings = check(config)
+    warnings = [redact_error(w, seen) for w in warnings]
     if errors:
-        raise ConfigError(errors, warnings)
-    return Loaded(config, warnings)
+        raise ConfigError([redact_error(e, seen) for e in errors], warnings)
+    return Loaded(config, warnings, seen)
 
 
 def load(path: str | Path, env: dict[str, str] | None = None) -> Loaded:

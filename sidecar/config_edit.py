@@ -11,9 +11,12 @@ as the file had them, when consistent) and may rewrap very long lines.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -96,6 +99,10 @@ def _secret_fields(doc: dict) -> list[tuple[str, Any, Any]]:
     server = doc.get("server")
     if isinstance(server, dict) and "admin_token" in server:
         out.append(("server.admin_token", server, "admin_token"))
+    auth = server.get("grpc_auth") if isinstance(server, dict) else None
+    for name in ("secret", "assignment_token"):
+        if isinstance(auth, dict) and name in auth:
+            out.append((f"server.grpc_auth.{name}", auth, name))
     for i, b in enumerate(doc.get("backends") or []):
         if isinstance(b, dict) and "api_key" in b:
             out.append((f"backends[{i}].api_key", b, "api_key"))
@@ -127,7 +134,8 @@ def _masked_url(url: str) -> str:
 def masked(text: str) -> str:
     """The config text with every secret replaced by :data:`MASK`.
 
-    Masked: ``server.admin_token``, ``backends[].api_key``, ``api_keys[].key``,
+    Masked: ``server.admin_token``, ``server.grpc_auth.secret`` and
+    ``.assignment_token``, ``backends[].api_key``, ``api_keys[].key``,
     ``web_search.api_key`` and the password of ``redis.url``. A value that is
     only an ``${ENV}`` reference is shown: it names the secret, it is not one.
     """
@@ -154,6 +162,22 @@ def still_masked(text: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- writing
+
+
+@contextlib.contextmanager
+def locked(path: str | Path) -> Iterator[None]:
+    """Hold the config file's write lock (``fcntl.flock`` on a ``.<name>.lock``
+    file beside it): every writer (the admin API of each sidecar, ``model-router
+    experiments pause``) reads, edits and writes under it, so no edit is lost to
+    another made at the same moment. Raises OSError when the lock file cannot
+    be opened (a read-only directory, where no write could succeed either)."""
+    target = Path(os.path.realpath(path))
+    fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_atomic(path: str | Path, text: str) -> None:

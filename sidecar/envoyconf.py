@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from . import envoy_fallback, envoy_limits, snapshot
+from . import envoy_fallback, envoy_limits, grpc_auth, snapshot
 from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import (
@@ -522,12 +522,16 @@ def bootstrap(
     backend_urls: Mapping[str, str] | None = None,
     listen: str | None = None,
     admin_listen: str | None = None,
+    grpc_secret: str | None = None,
 ) -> dict:
     """Build the Envoy bootstrap (as a dict) for ``config``.
 
     ``sidecar_addresses`` are the ext_proc endpoints (default: the config's
     gRPC listen address); ``backend_urls`` replaces backend URLs (the local
-    stack passes the demo engines' addresses for ``demo://`` backends).
+    stack passes the demo engines' addresses for ``demo://`` backends);
+    ``grpc_secret`` is what Envoy sends the sidecar (default: the config's
+    ``server.grpc_auth``; raises :class:`sidecar.grpc_auth.SecretError` when
+    its file cannot be read).
     """
     urls = dict(backend_urls or {})
     server = config.server
@@ -638,7 +642,10 @@ def bootstrap(
         _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
     )
 
-    return {
+    auth = server.grpc_auth
+    if auth.tls is not None:
+        clusters[0]["transport_socket"] = grpc_auth.upstream_tls(auth.tls)
+    boot = {
         "admin": {"address": _addr(admin_listen or config.envoy.admin_listen)},
         "overload_manager": {"resource_monitors": [{
             "name": "envoy.resource_monitors.global_downstream_max_connections",
@@ -668,6 +675,10 @@ def bootstrap(
             "clusters": clusters,
         },
     }
+    secret = grpc_secret if grpc_secret is not None else grpc_auth.secret_of(auth)
+    if secret is not None:
+        grpc_auth.with_secret(boot, RESERVED_BACKEND_NAME, secret)
+    return boot
 
 
 def render(boot: dict) -> str:

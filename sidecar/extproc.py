@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from . import errors, explain, listing, metrics, routing, websearch
+from . import errors, explain, listing, metrics, response_ids, routing, websearch
 from .body import named_models
 from .cache import ResponseCache
 from .errors import Reply
@@ -43,6 +43,7 @@ from .response_stream import (
     NAMESPACE,
     RESPONSE_HEADER,
     ResponseStream,
+    Rewrite,
     header_map,
     rewrite_of,
     silence_limit,
@@ -247,7 +248,18 @@ class Processor(pbg.ExternalProcessorServicer):
                     if plan is None:
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                         return
-                    response = ResponseStream(plan)
+                    if plan.not_found is not None:
+                        if header_map(req.response_headers).get(":status") == "404":
+                            # The engine lost it: the router's own answer, the one an id never issued gets.
+                            yield immediate(errors.response_not_found(plan.not_found))
+                            return
+                        if replace(plan, not_found=None) == Rewrite(None, plan.family, False):
+                            # Only the status mattered: the body goes on unseen.
+                            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
+                                                        mode_override=_MODE_NOTHING_MORE)
+                            return
+                    tagger = response_ids.tagger(plan.id_tag, self.runtime.snapshot.id_key)
+                    response = ResponseStream(replace(plan, tagger=tagger))
                     yield response.headers(req.response_headers)
                     if response.finished:
                         return

@@ -11,10 +11,11 @@ bytes ``[start, end)`` give way to ``replacement``.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import orjson
 
-__all__ = ["MODEL_KEY", "SCAN_ERRORS", "USAGE_KEY", "WS", "object_edits", "prefix_edits", "splice", "splice_lines", "string_end", "value_end"]
+__all__ = ["MODEL_KEY", "SCAN_ERRORS", "USAGE_KEY", "WS", "object_edits", "id_edits", "splice", "splice_lines", "string_end", "value_end"]
 
 WS = b" \t\r\n"
 _LITERAL_END = re.compile(rb"[,}\]\s]")
@@ -211,18 +212,21 @@ def object_edits(
     return edits
 
 
-def prefix_edits(data: bytes, keys: tuple[bytes, ...], parent: bytes | None, prefix: bytes) -> list[tuple[int, int, bytes]]:
-    """Edits that put ``prefix`` (text needing no escape) at the start of every
-    string value of the key literals ``keys``: at the top level of the object
-    ``data``, or inside its top-level object named by the key literal ``parent``."""
+def id_edits(
+    data: bytes, keys: tuple[bytes, ...], parent: bytes | None, tag: Callable[[str], str],
+) -> list[tuple[int, int, bytes]]:
+    """Edits that replace every string value of the key literals ``keys`` by
+    ``tag(value)`` (values holding an escape are left alone): at the top level
+    of the object ``data``, or inside its top-level object named by the key
+    literal ``parent``. ``tag`` returns text needing no escape."""
     members = _members(data, data.index(b"{"))
     if parent is not None:
         inner = [m for m in members if data[m[2]] == 0x7B and _is_key(data, m[0], m[1], parent)]
         members = [m2 for m in inner for m2 in _members(data, m[2])]
     return [
-        (vs + 1, vs + 1, prefix)
-        for ks, ke, vs, _ in members
-        if data[vs] == 0x22 and any(_is_key(data, ks, ke, k) for k in keys)
+        (vs + 1, ve - 1, tag(data[vs + 1 : ve - 1].decode("utf-8")).encode())
+        for ks, ke, vs, ve in members
+        if data[vs] == 0x22 and b"\\" not in data[vs + 1 : ve - 1] and any(_is_key(data, ks, ke, k) for k in keys)
     ]
 
 

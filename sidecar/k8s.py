@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from . import k8s_access
 from .config import Config
 from .envoyconf import backend_routes
 from .response_stream import RESPONSE_HEADER
@@ -59,6 +60,7 @@ class Options:
     gateway: str = "model-router"  # the Gateway the HTTPRoute attaches to (parentRef)
     gateway_namespace: str | None = None  # default: the router's namespace
     backend_urls: dict[str, str] = field(default_factory=dict)  # replaces backend URLs, as envoy-config does
+    monitoring_namespace: str = "monitoring"  # may scrape the admin port (NetworkPolicy)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         volumeMounts=[{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                       {"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
     )
+    grpc_secret = k8s_access.wire(config, config_text, opts, container)
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(opts.name, opts, "sidecar"),
         "spec": {
@@ -182,6 +185,8 @@ def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, Ba
         deployment, service,
         {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(opts.name, opts, "sidecar"),
          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(opts, "sidecar")}}},
+        k8s_access.network_policy(opts, _selector(opts, "sidecar"), GRPC_PORT, ADMIN_PORT, opts.monitoring_namespace),
+        *grpc_secret,
     ]
 
 
@@ -315,7 +320,7 @@ def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> lis
 
 def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list[dict]]:
     """Every file's documents, by file name."""
-    from .k8s_gateways import envoy_gateway, istio, istio_tls
+    from .k8s_gateways import envoy_gateway, istio, istio_cluster, istio_tls
     from .k8s_monitoring import monitoring
 
     if config.server.max_requests_per_worker:
@@ -327,13 +332,21 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
                        "(fallback_chains still apply when the sidecar decides)")
     refuse_unenforced(config)
     refs = backend_refs(config, opts.backend_urls)
-    return {
-        "sidecar.yaml": _sidecar(config, config_text, opts, refs) + _demo_engines(config, opts, refs),
-        "routes.yaml": httproute(config, opts, refs),
-        "istio.yaml": istio(config, opts) + istio_tls(config, opts),
-        "envoy-gateway.yaml": envoy_gateway(config, opts),
-        "monitoring.yaml": monitoring(opts),
-    }
+    try:
+        files = {
+            "sidecar.yaml": _sidecar(config, config_text, opts, refs) + _demo_engines(config, opts, refs),
+            "routes.yaml": httproute(config, opts, refs),
+            "istio.yaml": k8s_access.with_secret(config, istio(config, opts), istio_cluster(opts))
+            + istio_tls(config, opts),
+            "monitoring.yaml": monitoring(opts),
+        }
+    except k8s_access.AccessError as exc:
+        raise K8sError(str(exc)) from None
+    if config.server.grpc_auth.secret is None:
+        # Envoy Gateway's EnvoyExtensionPolicy cannot send gRPC metadata: with
+        # a secret, only the Istio recipe reaches the sidecar.
+        files["envoy-gateway.yaml"] = envoy_gateway(config, opts)
+    return files
 
 
 class _Dumper(yaml.SafeDumper):

@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway", default=d.gateway, help=f"the Gateway the routes attach to (default {d.gateway})")
     p.add_argument("--gateway-namespace", help="the Gateway's namespace (default: the router's)")
     p.add_argument("--backend-url", action="append", metavar="NAME=URL", help="override a backend's URL")
+    p.add_argument("--monitoring-namespace", default=d.monitoring_namespace,
+                   help=f"the namespace the NetworkPolicy lets scrape the admin port (default {d.monitoring_namespace})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     opts = k8s.Options(namespace=args.namespace, name=args.name, image=args.image, replicas=args.replicas,
                        gateway=args.gateway, gateway_namespace=args.gateway_namespace,
-                       backend_urls=_pairs(args.backend_url, "--backend-url"))
+                       backend_urls=_pairs(args.backend_url, "--backend-url"),
+                       monitoring_namespace=args.monitoring_namespace)
     try:
         files = k8s.manifests(loaded.config, text, opts)
     except k8s.K8sError as exc:

@@ -125,6 +125,12 @@ ACCESS_LOG_ENTRIES = Counter(
     "Per-request access-log entries received from Envoy (compare with Envoy's own count to see loss).",
     registry=REGISTRY,
 )
+GRPC_UNAUTHENTICATED = Counter(
+    "model_router_grpc_unauthenticated_total",
+    "gRPC calls refused with UNAUTHENTICATED: no or a wrong server.grpc_auth secret (or Assignment token), by service.",
+    ["service"],
+    registry=REGISTRY,
+)
 USAGE_RECORDS_DROPPED = Counter(
     "model_router_usage_records_dropped_total",
     "Usage records that could not be written to their sink.",

@@ -19,6 +19,17 @@ def run(args) -> int:
     paused = args.experiments_command == "pause"
     path = Path(args.config)
     try:
+        # Under the file's write lock: a sidecar's admin API writing the same
+        # file waits, and neither edit is lost.
+        with config_edit.locked(path):
+            return _edit(args, path, paused)
+    except OSError as exc:
+        print(f"error: cannot lock {path} for writing: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+def _edit(args, path: Path, paused: bool) -> int:
+    try:
         text = path.read_text(encoding="utf-8")
         new, changed = config_edit.set_paused(text, args.experiment, args.variant, paused)
     except (OSError, UnicodeDecodeError) as exc:

@@ -15,6 +15,7 @@ usage chunk it removed, and payloads strict JSON refuses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -71,7 +72,9 @@ class Rewrite:
     family: str
     strip_usage: bool  # remove the usage the router injected into a stream
     store: Store | None = None  # keep the backend's answer in the response cache
-    id_tag: str | None = None  # put before Responses API ids (sidecar.response_ids)
+    id_tag: str | None = None  # the owner to seal into Responses API ids (sidecar.response_ids)
+    tagger: Callable[[str], str] | None = None  # the engine's id -> the client's, from id_tag and the router's key
+    not_found: str | None = None  # a follow-up's id: the engine's 404 is answered as the router's
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -84,11 +87,12 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
     family = fields["family"].string_value if "family" in fields else "openai"
     tag = fields["id_tag"].string_value if "id_tag" in fields else ""
+    not_found = fields["not_found"].string_value if "not_found" in fields else ""
     store = _store_of(fields)
-    if not model and not strip and store is None and not tag:
+    if not model and not strip and store is None and not tag and not not_found:
         return None
     return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
-                   id_tag=tag or None)
+                   id_tag=tag or None, not_found=not_found or None)
 
 
 def _store_of(fields) -> Store | None:
@@ -145,7 +149,7 @@ class ResponseStream:
         ctype = h.get("content-type", "").lower()
         if ctype.startswith("text/event-stream"):
             self.rewriter = SSERewriter(self.plan.model, self.plan.family, strip_injected_usage=self.plan.strip_usage,
-                                        id_tag=self.plan.id_tag)
+                                        id_tag=self.plan.tagger)
         elif "json" not in ctype:
             return resp
         if length is None and self.rewriter is not None:
@@ -250,7 +254,7 @@ class ResponseStream:
 
     def _rewrite(self, msg: pb.HttpBody) -> tuple[bytes | None, Usage | None]:
         """The bytes to send for this chunk (None: unchanged) and, at the end, the usage seen."""
-        model, family, tag = self.plan.model, self.plan.family, self.plan.id_tag
+        model, family, tag = self.plan.model, self.plan.family, self.plan.tagger
         if self.buffered:
             if self.rewriter is not None:
                 out = self.rewriter.feed(msg.body) + self.rewriter.finish()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +42,8 @@ from .jsonedit import (
     MODEL_KEY,
     SCAN_ERRORS,
     USAGE_KEY,
+    id_edits,
     object_edits,
-    prefix_edits,
     splice,
     splice_lines,
 )
@@ -146,15 +147,15 @@ def loads(data: bytes) -> Any:
 
 
 def rewrite_json_body(
-    body: bytes, model: str | None, family: str, id_tag: str | None = None,
+    body: bytes, model: str | None, family: str, id_tag: Callable[[str], str] | None = None,
 ) -> tuple[bytes, Usage]:
     """Rewrite the top-level ``model`` of a complete JSON response and read its usage.
 
     When ``model`` is not ``None`` and the body is a JSON object whose
     top-level ``model`` is a string different from ``model``, that value is
     replaced. When ``id_tag`` is not ``None`` and the body is a Responses API
-    object (top-level ``"object": "response"``), ``id_tag`` is put before its
-    ``id`` and ``previous_response_id`` (see :mod:`sidecar.response_ids`).
+    object (top-level ``"object": "response"``), its ``id`` and
+    ``previous_response_id`` become ``id_tag(value)`` (see :mod:`sidecar.response_ids`).
     Every other byte is kept. In every other case (nothing to change, not a
     JSON object, invalid JSON, body longer than :data:`MAX_JSON_REWRITE`)
     returns ``body`` itself.
@@ -186,8 +187,8 @@ def rewrite_json_body(
         return body, usage
     try:
         edits = object_edits(body, orjson.dumps(model), True, None, False) if rename else []
-        if tag:
-            edits = sorted([*edits, *prefix_edits(body, _ID_KEYS, None, (id_tag or "").encode())])
+        if tag and id_tag is not None:
+            edits = sorted([*edits, *id_edits(body, _ID_KEYS, None, id_tag)])
     except SCAN_ERRORS:
         return body, usage
     return (splice(body, edits) if edits else body), usage
@@ -238,8 +239,8 @@ class SSERewriter:
     (``"usage"``, ``"model"``, ``"message_start"``, ``"message_delta"``)
     is parsed.
 
-    ``id_tag`` (``"openai"`` only): text put before ``response.id`` and
-    ``response.previous_response_id`` of Responses API events (see
+    ``id_tag`` (``"openai"`` only): what ``response.id`` and
+    ``response.previous_response_id`` of Responses API events become (see
     :mod:`sidecar.response_ids`).
 
     ``max_line`` (default :data:`MAX_SSE_LINE`) bounds memory: an event
@@ -278,14 +279,14 @@ class SSERewriter:
         family: str,
         *,
         strip_injected_usage: bool = False,
-        id_tag: str | None = None,
+        id_tag: Callable[[str], str] | None = None,
         max_line: int | None = None,
     ) -> None:
         _check_family(family)
         self.model = model
         self.family = family
         self.strip_injected_usage = strip_injected_usage and family == "openai"
-        self.id_tag = id_tag.encode() if id_tag is not None and family == "openai" else None
+        self.id_tag = id_tag if family == "openai" else None
         self.max_line = MAX_SSE_LINE if max_line is None else max_line
         self.usage = Usage()
         self._openai = family == "openai"
@@ -618,7 +619,7 @@ class SSERewriter:
             kind = obj.get("type")
             if type(kind) is str and kind.startswith("response."):
                 if self.id_tag is not None:
-                    tag = prefix_edits(data, _ID_KEYS, _RESPONSE, self.id_tag)
+                    tag = id_edits(data, _ID_KEYS, _RESPONSE, self.id_tag)
                 if model is not None:
                     current = resp.get("model")
                     if type(current) is str and current != model:

@@ -22,7 +22,20 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import admin_config, admin_token, experiments_diff, explain, listing, metrics, snapshot, srm, workers
+from . import (
+    admin_config,
+    admin_token,
+    config_guard,
+    experiments_diff,
+    explain,
+    grpc_auth,
+    listing,
+    metrics,
+    response_ids,
+    snapshot,
+    srm,
+    workers,
+)
 from . import config as config_mod
 from .budgets import Budgets
 from .envoyconf import HEALTH_FAILURES, HEALTH_INTERVAL_S
@@ -43,13 +56,18 @@ class Runtime:
 
     def __init__(
         self, path: str | Path, url_overrides: Mapping[str, str] | None = None, usage_records: str | None = None,
+        grpc_secret_file: str | None = None, admin_path_root: str | None = None,
     ):
         self.path = Path(path)
+        self.admin_path_root = admin_path_root  # where the admin API may point file fields
+        self.admin_writes = asyncio.Lock()  # one admin config write at a time in this process
+        self.grpc_secret_file = grpc_secret_file  # overrides server.grpc_auth's secret
         self.url_overrides = dict(url_overrides or {})
         loaded = config_mod.load(self.path)
         for w in loaded.warnings:
             log.warning("config: %s", w)
-        self.snapshot = snapshot.build(loaded.config, self.url_overrides)
+        self.id_key = self._id_key(loaded.config)
+        self.snapshot = snapshot.build(loaded.config, self.url_overrides, id_key=self.id_key)
         self._stamp = self._file_stamp()
         self.ready = False
         self.monitor = None
@@ -64,6 +82,16 @@ class Runtime:
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
+
+    def _id_key(self, config: config_mod.Config) -> bytes:
+        """The key sealing response ids: from the gRPC secret every replica
+        shares; without one, this process's own (ids last as long as it).
+        Read at start, like the gRPC gate: Envoy's secret changes with a restart."""
+        try:
+            secret = grpc_auth.secret_of(config.server.grpc_auth, self.grpc_secret_file)
+        except grpc_auth.SecretError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return response_ids.derive(secret) if secret else response_ids.PROCESS_KEY
 
     def http_session(self):
         """One client session for the sidecar's own upstream calls (the :online loop)."""
@@ -94,7 +122,7 @@ class Runtime:
 
     def set_discovered(self, discovered: dict[str, tuple[str, ...]]) -> None:
         """The monitor found new model lists: rebuild the snapshot around them."""
-        self.snapshot = snapshot.build(self.snapshot.config, self.url_overrides, discovered)
+        self.snapshot = snapshot.build(self.snapshot.config, self.url_overrides, discovered, self.id_key)
         log.info("model lists discovered: %s", {k: len(v) for k, v in discovered.items()})
 
     def count_request(self) -> None:
@@ -127,9 +155,13 @@ class Runtime:
         return self.reload()
 
     def candidate(self, text: str) -> config_mod.Loaded:
-        """Config text validated as a reload validates a file, and not applied.
-        Raises :class:`~sidecar.config.ConfigError`."""
+        """Config text from the admin API validated as a reload validates a
+        file, and not applied; it may change file paths only inside
+        ``admin_path_root``. Raises :class:`~sidecar.config.ConfigError`."""
         loaded = config_mod.parse(text)
+        paths = config_guard.path_errors(self.snapshot.config, loaded.config, self.admin_path_root)
+        if paths:
+            raise config_mod.ConfigError(paths, loaded.warnings)
         try:
             snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
         except Exception as exc:
@@ -142,7 +174,7 @@ class Runtime:
             self._stamp = self._file_stamp()
         try:
             loaded = config_mod.load(self.path)
-            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered)
+            new = snapshot.build(loaded.config, self.url_overrides, self.snapshot.discovered, self.id_key)
         except Exception as exc:  # any failure rejects the edit; the watcher must live on
             metrics.CONFIG_RELOADS.labels("failure").inc()
             problems = exc.errors if isinstance(exc, config_mod.ConfigError) else [type(exc).__name__]
@@ -178,7 +210,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
     async def reload_view(request):
         if not authorized(request):
             return web.json_response({"error": "admin token required"}, status=401)
-        ok = runtime.reload()
+        ok = await asyncio.to_thread(runtime.reload)
         return web.json_response({"reloaded": ok}, status=200 if ok else 422)
 
     async def models_view(request):
@@ -271,14 +303,22 @@ async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
         return web.json_response({"error": f"the config is larger than {_ADMIN_BODY_LIMIT} bytes"}, status=413)
     except UnicodeDecodeError:
         return web.json_response({"error": "the body must be the config's YAML text, in UTF-8"}, status=400)
-    try:
+    current = runtime.snapshot.config
+
+    def preview() -> dict:
+        # Off the event loop: parsing and validating a large config never stalls requests.
         loaded = runtime.candidate(text)
+        found = experiments_diff.diff(current, loaded.config, time.time())
+        return config_guard.redact({"dry_run": True, "warnings": loaded.warnings, **found.to_dict()},
+                                   loaded.substituted)
+
+    try:
+        answer = await asyncio.to_thread(preview)
     except config_mod.ConfigError as exc:
         return web.json_response(
             {"error": "the config is invalid", "errors": exc.errors, "warnings": exc.warnings}, status=422
         )
-    preview = experiments_diff.diff(runtime.snapshot.config, loaded.config, time.time())
-    return web.json_response({"dry_run": True, "warnings": loaded.warnings, **preview.to_dict()})
+    return web.json_response(answer)
 
 
 async def _explain(runtime: Runtime, request: web.Request) -> web.Response:
@@ -307,6 +347,24 @@ class _SinkOf:
             sink.write(records)
 
 
+def _grpc_gate(
+    auth, secret_file: str | None, listen: str, trust_network: bool,
+) -> tuple[grpc_auth.Gate, grpc.ServerCredentials | None]:
+    """Who may call the gRPC port (sidecar.grpc_auth); an unauthenticated port
+    listens on loopback only, unless told a NetworkPolicy guards it."""
+    try:
+        secret = grpc_auth.secret_of(auth, secret_file)
+        credentials = grpc_auth.server_credentials(auth.tls) if auth.tls is not None else None
+    except grpc_auth.SecretError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if secret is None and credentials is None and not grpc_auth.is_loopback(listen) and not trust_network:
+        raise SystemExit(f"error: the gRPC port {listen} is beyond loopback and unauthenticated: set "
+                         "server.grpc_auth.secret (or secret_file, or tls) and give Envoy the same secret "
+                         "(model-router envoy-config writes it into the bootstrap), or pass --grpc-trust-network "
+                         "where a NetworkPolicy admits Envoy alone")
+    return grpc_auth.Gate(secret, auth), credentials
+
+
 def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
     """Worker i listens on the configured ports plus i."""
     def shifted(addr: str) -> list[str]:
@@ -331,15 +389,22 @@ async def serve_async(
     admin_listen: str | None = None,
     url_overrides: Mapping[str, str] | None = None,
     usage_records: str | None = None,
+    grpc_secret_file: str | None = None,
+    admin_path_root: str | None = None,
+    grpc_trust_network: bool = False,
 ) -> None:
-    runtime = Runtime(config_path, url_overrides, usage_records)
+    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root)
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen
     # A supervised worker shares its admin port with its replacement while it drains.
     shared = workers.supervised()
     limit = cfg.max_body_bytes + 1024 * 1024
+    gate, credentials = _grpc_gate(cfg.grpc_auth, grpc_secret_file, grpc_listen, grpc_trust_network)
+    for service in grpc_auth.GUARDED_SERVICES:  # a refusal's first count is an increase
+        metrics.GRPC_UNAUTHENTICATED.labels(service)
     server = grpc.aio.server(
+        interceptors=[grpc_auth.Interceptor(gate, lambda s: metrics.GRPC_UNAUTHENTICATED.labels(s).inc())],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -369,7 +434,7 @@ async def serve_async(
     except ImportError:
         pass
     try:
-        port = server.add_insecure_port(grpc_listen)
+        port = server.add_secure_port(grpc_listen, credentials) if credentials else server.add_insecure_port(grpc_listen)
     except RuntimeError:
         port = 0
     if port == 0:
@@ -421,7 +486,8 @@ async def serve_async(
         while not stop.is_set():
             await asyncio.sleep(runtime.snapshot.config.server.reload_interval_ms / 1000)
             try:
-                runtime.reload_if_changed()
+                # In a thread: a large or pathological file never stalls requests.
+                await asyncio.to_thread(runtime.reload_if_changed)
             except Exception:
                 log.exception("config watcher")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
-from . import limit_rules
+from . import limit_rules, response_ids
 from .assignment import Race, salt_prefix
 from .config import ApiKey, Backend, Config, Experiment, ModelMetadata
 from .limit_rules import Rule
@@ -86,6 +86,7 @@ class Snapshot:
     # of those names and canonical id of those aliases -> experiment name.
     reserved: Mapping[str, str] = field(default_factory=dict)
     limits: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)  # client-facing model -> its limits
+    id_key: bytes = response_ids.PROCESS_KEY  # seals response ids (sidecar.response_ids)
 
     def resolve(self, name: str) -> tuple[str, tuple[str, ...]]:
         """The catalog's one answer: (the id to dispatch, the backends serving it).
@@ -120,6 +121,7 @@ def build(
     config: Config,
     url_overrides: Mapping[str, str] | None = None,
     discovered: Mapping[str, tuple[str, ...]] | None = None,
+    id_key: bytes | None = None,
 ) -> Snapshot:
     overrides = url_overrides or {}
     discovered = dict(discovered or {})
@@ -173,4 +175,5 @@ def build(
         meta_alias=MappingProxyType(meta_alias),
         reserved=MappingProxyType(reserved),
         limits=limit_rules.index(config),
+        id_key=id_key or response_ids.PROCESS_KEY,
     )

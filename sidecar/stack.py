@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import config as config_mod
-from . import envoyconf
+from . import envoyconf, grpc_auth
 from .restarts import RestartPolicy, Restarts
 from .workers import port_in_use
 
@@ -117,6 +117,11 @@ class Stack:
     envoy_admin: str = ""
     usage_records: Path | None = None  # where the sidecars append usage records; default: workdir/usage.jsonl
     sidecar_env: dict[str, str] = field(default_factory=dict)  # added to the sidecar processes' environment
+    # The secret Envoy sends the sidecars: made per run (in workdir, mode 0600)
+    # unless the config's server.grpc_auth names one.
+    grpc_secret: str | None = None
+    grpc_secret_file: Path | None = None
+    admin_path_root: Path | None = None  # serve --admin-path-root
     # Supervision (poll/supervise): restart an unexpected exit as the policy
     # says (sidecar.restarts); give up as it says, or when a restarted process
     # is not ready within restart_ready_timeout.
@@ -136,6 +141,17 @@ class Stack:
         if self.usage_records is None:
             self.usage_records = self.workdir / "usage.jsonl"
 
+    def _make_secret(self, cfg: config_mod.Config) -> None:
+        """A fresh gRPC secret for this run, unless the config names its own."""
+        if cfg.server.grpc_auth.secret is not None or cfg.server.grpc_auth.secret_file is not None:
+            return
+        self.grpc_secret = grpc_auth.generate()
+        path = Path(self.workdir or ".") / "grpc-secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(self.grpc_secret + "\n")
+        self.grpc_secret_file = path
+
     # ----------------------------------------------------------------- public
 
     @property
@@ -148,6 +164,7 @@ class Stack:
         except config_mod.ConfigError as exc:
             raise StackError("invalid config:\n  " + "\n  ".join(exc.errors)) from None
         cfg = loaded.config
+        self._make_secret(cfg)
         if self.config_ports:
             from .server import worker_addresses
 
@@ -198,7 +215,7 @@ class Stack:
                     self._spawn(f"sidecar-{i}", self.sidecar_argv(i))
             boot = envoyconf.bootstrap(
                 cfg, sidecar_addresses=self.sidecar_grpc, backend_urls=self.demo_urls,
-                listen=self.listen, admin_listen=self.envoy_admin,
+                listen=self.listen, admin_listen=self.envoy_admin, grpc_secret=self.grpc_secret,
             )
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoyconf.render(boot))
@@ -245,6 +262,10 @@ class Stack:
             argv += ["--backend-url", f"{name}={url}"]
         if self.usage_records is not None:
             argv += ["--usage-records", str(self.usage_records)]
+        if self.grpc_secret_file is not None:
+            argv += ["--grpc-secret-file", str(self.grpc_secret_file)]
+        if self.admin_path_root is not None:
+            argv += ["--admin-path-root", str(self.admin_path_root)]
         return argv
 
     def stop_sidecar(self, i: int | None = None, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:

@@ -126,6 +126,8 @@ def test_the_compose_envoy_config_step_makes_a_bootstrap_envoy_accepts(tmp_path)
     out = tmp_path / "envoy.yaml"
     args = [a.replace(CONFIG_IN_CONTAINER, "sidecar/templates/ab-testing.yaml") for a in command]
     args = [f"--output={out}" if a.startswith("--output=") else a for a in args]
+    secret = tmp_path / "grpc-secret"
+    args = [f"--grpc-secret-file={secret}" if a.startswith("--grpc-secret-file=") else a for a in args]
     done = subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     boot = yaml.safe_load(out.read_text())
@@ -133,6 +135,12 @@ def test_the_compose_envoy_config_step_makes_a_bootstrap_envoy_accepts(tmp_path)
     assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == ["sidecar"]
     res = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+    # The sidecar reads the secret the step made; Envoy sends it on every call.
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    assert f"value: {secret.read_text().strip()}" in out.read_text()
+    sidecar = _model()["services"]["sidecar"]
+    assert "--grpc-secret-file=/var/lib/model-router/envoy/grpc-secret" in sidecar["command"]
+    assert sidecar["depends_on"]["envoy-config"] == {"condition": "service_completed_successfully"}
 
 
 def test_the_serving_dependencies_leave_out_envoy_and_protoc():

@@ -100,6 +100,11 @@ def test_key_gate_judges_client_name(snap):
     assert status == 403 and body["error"]["code"] == "model_not_permitted"
 
 
+def test_key_gate_refusal_names_the_model_as_sent_not_the_alias_target(snap):
+    status, body = refusal(decide(snap, req("/v1/responses", {"model": "sonnet", "input": "x"}, key="k-chat", snap=snap)))
+    assert status == 403 and body["error"]["message"] == "This API key is not permitted to use the model 'sonnet'."
+
+
 def test_pin_outside_key_backends_is_403_naming_client_model(snap):
     status, body = refusal(decide(snap, req("/v1/chat/completions", {"model": "chat-b"}, key="k-a", snap=snap,
                                             headers={"x-user": "u1"})))

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from sidecar.response_ids import Owner
+from sidecar.response_ids import Owner, derive, tag
 
 from .conftest import metric, wait_metric
 
@@ -264,12 +264,12 @@ def test_injected_usage_is_cut_out_byte_for_byte(http, upstream):
         ("/anthropic/v1/messages", "anthropic-sse", ANTHROPIC_SSE),
     ],
 )
-def test_responses_and_anthropic_streams_keep_every_byte_but_the_model(http, path, script, raw):
+def test_responses_and_anthropic_streams_keep_every_byte_but_the_model(stack, http, path, script, raw):
     """...and the Responses API's response ids, which name the backend that stores them."""
     r = post(http, path, script, {"model": "chat", "stream": True, "input": "hi", "max_tokens": 5, "messages": []})
     expected = raw.replace(UPSTREAM, CLIENT)
     if path == "/v1/responses":
-        tagged = Owner("scripted", "chat", True).tag() + "resp_1"
+        tagged = tag(Owner("scripted", "chat", True), "resp_1", derive(stack.grpc_secret))
         expected = expected.replace(b'"resp_1"', b'"%s"' % tagged.encode())
         assert expected.count(tagged.encode()) == 2
     assert r.content == expected

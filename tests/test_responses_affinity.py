@@ -4,17 +4,20 @@ Through real Envoy with the official openai SDK, on a model two demo engines
 serve round robin: every retrieve, delete, cancel, input-items listing and
 ``previous_response_id`` create must land on the engine that created the
 response (the engines' request logs show where each call went), and ids the
-router did not hand out, or whose owner the caller may not use, get the
-Responses API's 404 without reaching any engine.
+router did not hand out, edited ones, another key's, or ones whose owner the
+caller may not use, get the router's 404 without reaching any engine.
 """
 
 from __future__ import annotations
 
+import base64
+
+import httpx
 import openai
 import orjson
 import pytest
 
-from sidecar.response_ids import Owner, untag
+from sidecar.response_ids import Owner, derive, tag, untag
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat
 
@@ -34,14 +37,20 @@ api_keys:
   - {key: sk-all, id: all}
   - {key: sk-east, id: east-only, allowed_backends: [east]}
   - {key: sk-other, id: other-model, allowed_models: [other]}
+  - {key: sk-two, id: two}
 """
 ENGINES = ("east", "west", "vault")
 ROUNDS = 8  # round robin over two engines: a wrong choice shows within two
 
 
+KEY: list[bytes] = []  # the stack's response-id key, from its per-run secret
+
+
 @pytest.fixture(scope="module")
 def stack(stack_factory):
-    return stack_factory(CONFIG)
+    s = stack_factory(CONFIG)
+    KEY[:] = [derive(s.grpc_secret)]
+    return s
 
 
 def sdk(stack, key: str = "sk-all") -> openai.OpenAI:
@@ -50,7 +59,7 @@ def sdk(stack, key: str = "sk-all") -> openai.OpenAI:
 
 def owner_of(response_id: str) -> tuple[str, str]:
     """(backend, the engine's own id) of an id the router handed out."""
-    found = untag(response_id)
+    found = untag(response_id, KEY[0])
     assert found is not None, f"not a router id: {response_id}"
     return found[0].backend, found[1]
 
@@ -142,7 +151,7 @@ def test_a_hidden_arm_stays_hidden_on_retrieve(stack):
     client = sdk(stack)
     r = client.responses.create(model="smart", input="who are you")
     assert r.model == "smart"
-    owner = untag(r.id)[0]
+    owner = untag(r.id, KEY[0])[0]
     assert (owner.model, owner.rewrite) == ("smart", True)
     got = client.responses.retrieve(r.id)
     assert got.model == "smart" and got.output_text == r.output_text
@@ -151,29 +160,78 @@ def test_a_hidden_arm_stays_hidden_on_retrieve(stack):
     assert models == {"smart"}
 
 
-def test_unknown_and_forged_ids_get_the_responses_404_and_reach_no_engine(stack):
+def unsigned(backend: str, model: str, upstream: str) -> str:
+    """An id in the earlier, unsigned form: anyone could write one."""
+    raw = f"{backend}\0{model}\0{0}".encode()
+    return "resp_mr1" + base64.b32encode(raw).decode().rstrip("=").lower() + "_" + upstream
+
+
+def edited(rid: str, at: int) -> str:
+    c = rid[at]
+    return rid[:at] + ("b" if c != "b" else "c") + rid[at + 1:]
+
+
+def every_follow_up_is_not_found(client, rid: str) -> None:
+    """Retrieve, cancel, delete and input items: the router's 404 byte for byte
+    (the id it names is the one sent); a continuing create: 400."""
+    for call in (client.responses.retrieve, client.responses.cancel, client.responses.delete,
+                 client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError) as info:
+            call(rid)
+        assert info.value.response.content == orjson.dumps(not_found(rid)), call
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="gpt-r", input="x", previous_response_id=rid)
+    assert bad.value.code == "previous_response_not_found"
+
+
+def test_unknown_edited_and_forged_ids_get_the_router_404_and_reach_no_engine(stack):
     client = sdk(stack)
     real = client.responses.create(model="gpt-r", input="mine")
     backend, upstream = owner_of(real.id)
+    other = client.responses.create(model="gpt-r", input="mine too")
     clear_demo_requests(stack)
+    code_end = real.id.index("_", len("resp_mr2"))
     forged = [
         "resp_abc123",  # never handed out by the router
         upstream,  # the engine's own id, without the tag
-        Owner("vault", "gpt-r", False).tag() + upstream,  # an internal backend
-        Owner("nowhere", "gpt-r", False).tag() + upstream,  # no such backend
-        Owner(backend, "hidden-r", False).tag() + upstream,  # a reserved model
-        "resp_mr1" + "!!!!_" + upstream,  # a broken tag
-        real.id.replace("resp_mr1", "resp_mr1" + "a", 1),  # a tag that does not decode to one spelling
+        unsigned(backend, "gpt-r", upstream),  # the unsigned form, naming the right owner
+        unsigned("vault", "gpt-r", upstream),
+        tag(Owner(backend, "gpt-r", False, "all"), upstream, b"another router's key....."),
+        edited(real.id, len("resp_mr2") + 3),  # one character of the seal
+        edited(real.id, code_end - 2),  # one character of the sealed owner
+        real.id[:code_end + 1] + owner_of(other.id)[1],  # this seal on another response
+        real.id + "x",
     ]
     for rid in forged:
-        for call in (client.responses.retrieve, client.responses.cancel, client.responses.input_items.list):
-            with pytest.raises(openai.NotFoundError) as info:
-                call(rid)
-            assert orjson.loads(info.value.response.content) == not_found(rid)
-        with pytest.raises(openai.BadRequestError) as bad:
-            client.responses.create(model="gpt-r", input="x", previous_response_id=rid)
-        assert bad.value.code == "previous_response_not_found"
+        every_follow_up_is_not_found(client, rid)
     assert all(demo_requests(stack, name) == [] for name in ENGINES)
+    assert client.responses.retrieve(real.id).output_text == real.output_text  # the real id still works
+
+
+def test_an_id_the_engine_lost_gets_the_router_404_not_the_engine_s(stack):
+    """Deleted on the engine: the engine answers 404 in its own words; the
+    client gets the router's bytes (and headers), as for an id never issued."""
+    client = sdk(stack)
+    gone = client.responses.create(model="gpt-r", input="soon gone")
+    client.responses.delete(gone.id)
+    never = gone.id[:-3] + "zzz"  # same length and shape, never issued
+    auth = {"authorization": "Bearer sk-all"}
+    for method, suffix in (("GET", ""), ("GET", "/input_items"), ("POST", "/cancel"), ("DELETE", "")):
+        lost = httpx.request(method, f"{stack.url}/v1/responses/{gone.id}{suffix}", headers=auth, timeout=30)
+        unknown = httpx.request(method, f"{stack.url}/v1/responses/{never}{suffix}", headers=auth, timeout=30)
+        assert lost.status_code == unknown.status_code == 404
+        assert lost.content == orjson.dumps(not_found(gone.id))
+        assert lost.content.replace(gone.id.encode(), b"ID") == unknown.content.replace(never.encode(), b"ID")
+        assert sorted(lost.headers.keys()) == sorted(unknown.headers.keys()), suffix
+
+
+def test_another_key_cannot_reach_a_response_by_its_id(stack):
+    mine = sdk(stack).responses.create(model="gpt-r", input="my secret is 42")
+    theirs = sdk(stack, "sk-two")
+    clear_demo_requests(stack)
+    every_follow_up_is_not_found(theirs, mine.id)
+    assert all(demo_requests(stack, name) == [] for name in ENGINES)
+    assert sdk(stack).responses.retrieve(mine.id).output_text == mine.output_text
 
 
 def test_a_key_that_may_not_use_the_owner_is_refused_like_an_unknown_id(stack):
@@ -200,11 +258,12 @@ def test_a_key_that_may_not_use_the_owner_is_refused_like_an_unknown_id(stack):
 
 
 def test_follow_ups_cost_one_ext_proc_message_plus_the_rewrite_of_their_answer(stack):
-    """Decided at the request headers. An input items listing needs nothing
-    from its answer; a retrieve's answer gets its id tagged (headers and body)."""
+    """Decided at the request headers. An input items listing's answer is
+    looked at only for its status (an engine's 404 becomes the router's); a
+    retrieve's answer gets its id tagged (headers and body)."""
     client = sdk(stack)
     r = client.responses.create(model="gpt-r", input="count")
-    for call, cost in ((client.responses.input_items.list, 1), (client.responses.retrieve, 3)):
+    for call, cost in ((client.responses.input_items.list, 2), (client.responses.retrieve, 3)):
         before = envoy_stat(stack, "stream_msgs_sent")  # the request and the response processors
         for _ in range(3):
             call(r.id)

@@ -1,9 +1,11 @@
 """Responses API affinity: calls about a stored response go to the backend holding it.
 
-The owner comes from the id itself (:mod:`sidecar.response_ids`). A follow-up
-passes the gates a create of the id's model on the id's backend would pass;
-every refusal is the answer an id the router never handed out gets, so a
-forged id learns nothing about backends, keys or hidden models.
+The owner comes from the id itself (:mod:`sidecar.response_ids`), sealed by
+the router: only the key that created a response may ask about it, and a
+follow-up still passes the gates a create of the id's model on the id's
+backend would pass. Every refusal is the answer an id the router never handed
+out gets, so an id, forged or another key's, learns nothing about backends,
+keys or hidden models.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from .route import ResponsePlan, Route, upstream_auth
 def owner_backend(snap: Snapshot, caller: Caller, response_id: str) -> tuple[Owner, BackendInfo, str] | None:
     """``(owner, its backend, the engine's id)`` when the id names a backend this
     caller may reach for the id's model; None otherwise, whatever the reason."""
-    found = untag(response_id)
+    found = untag(response_id, snap.id_key)
     if found is None:
         return None
     owner, upstream = found
+    if owner.key_id != (caller.key.id if caller.key is not None else ""):
+        return None  # another key's response
     backend = snap.backends.get(owner.backend)
     if backend is None or not backend.config.enabled or backend.internal or backend.family != "openai":
         return None
@@ -48,11 +52,11 @@ def follow_up(snap: Snapshot, path: str, response_id: str, about: str, caller: C
     owner, backend, upstream = placed
     query = path.partition("?")[2]
     new_path = f"{backend.base_path}/v1/responses/{quote(upstream, safe='')}{about}" + ("?" + query if query else "")
-    plan = ResponsePlan(family="openai", kind="follow_up")
+    plan = ResponsePlan(family="openai", kind="follow_up", not_found=response_id)
     if about != "/input_items":
         # The answer is the stored response (an input items list carries neither
         # its id nor a model): it gets the id and model name the create's answer had.
-        plan.id_tag = owner.tag()
+        plan.id_tag = owner.payload()
         plan.rewrite_model = owner.model if owner.rewrite else None
     set_headers, remove_headers = upstream_auth(snap, backend)
     return Route(backend, owner.model, "", path=new_path, set_headers=set_headers, remove_headers=remove_headers,

@@ -52,7 +52,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         trace.stage("parse", f"the request names model '{parsed.model}'", model=parsed.model,
                     ingress=req.ingress.path, family=family)
     requested, client_model, word = _names(snap, req, parsed.model)
-    refusal = _key_gate(req, client_model, requested) or _reservation(snap, req, client_model, parsed.model)
+    refusal = _key_gate(req, client_model, parsed.model) or _reservation(snap, req, client_model, parsed.model)
     if refusal is not None:
         return refusal
     continues = _continues(snap, req, parsed)
@@ -172,8 +172,9 @@ def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | Non
     return requested, base, word
 
 
-def _key_gate(req: Request, client_model: str, requested: str) -> Reply | None:
-    """The per-key model gate judges the client-facing (base) name."""
+def _key_gate(req: Request, client_model: str, sent: str) -> Reply | None:
+    """The per-key model gate judges the client-facing (base) name; a refusal
+    names the model as sent, never what a model_aliases entry hides behind it."""
     key = req.caller.key
     allowed = key.allowed_models if key is not None else None
     refused = allowed is not None and client_model not in allowed
@@ -182,7 +183,7 @@ def _key_gate(req: Request, client_model: str, requested: str) -> Reply | None:
             f"refused: '{client_model}' is not in the key's allowed_models" if refused
             else f"pass: '{client_model}' is in the key's allowed_models")
         req.trace.stage("key_gate", verdict, allowed_models=allowed)
-    return errors.model_not_permitted(requested, req.ingress.family) if refused else None
+    return errors.model_not_permitted(sent, req.ingress.family) if refused else None
 
 
 def _reservation(snap: Snapshot, req: Request, client_model: str, sent: str) -> Reply | None:
@@ -466,7 +467,9 @@ def _build(
     if target != req.path:
         new_path = target
     if ingress.response_ids and (parsed.json or {}).get("store") is not False:
-        plan.id_tag = Owner(chosen.name, plan.rewrite_model or client_model, plan.rewrite_model is not None).tag()
+        key_id = req.caller.key.id if req.caller.key is not None else ""
+        plan.id_tag = Owner(chosen.name, plan.rewrite_model or client_model, plan.rewrite_model is not None,
+                            key_id).payload()
     set_headers, remove_headers = upstream_auth(snap, chosen)
     return Route(
         backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,

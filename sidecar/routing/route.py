@@ -40,13 +40,16 @@ class ResponsePlan:
     drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
     cache: CachePlan | None = None
     id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
+    # A follow-up's id as the client sent it: the engine's 404 becomes the
+    # router's own, so no answer tells an id the engine lost from one never issued.
+    not_found: str | None = None
 
     @property
     def needs_response(self) -> bool:
         """Whether the sidecar must see the response body: to change it, or
         to store it in the response cache."""
         return (self.rewrite_model is not None or self.strip_injected_usage or self.cache is not None
-                or self.id_tag is not None)
+                or self.id_tag is not None or self.not_found is not None)
 
     def metadata(self) -> Meta:
         """The decision as Envoy dynamic metadata: read back by the access log
@@ -72,6 +75,8 @@ class ResponsePlan:
             m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
             if self.id_tag is not None:
                 m["id_tag"] = self.id_tag
+            if self.not_found is not None:
+                m["not_found"] = self.not_found
         if self.cache is not None:
             # The response processor stores the answer the client gets under this key.
             m.update(cache_key=self.cache.key, cache_ttl_s=str(self.cache.ttl_s),
