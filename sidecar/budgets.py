@@ -1,19 +1,22 @@
-"""Token budgets' counters, filled from the access log and read by the
-decision.
+"""Token budgets' counters: reserved by the decision, settled from the
+access log.
 
-Each request a budget covers is charged its prompt + completion tokens when
-its access-log entry arrives (:mod:`sidecar.metering`), in the window it
-started in. The decision reads :attr:`Budgets.spent`, a plain mapping, so
-the request path does no I/O. With a ``redis:`` section the charges go to
-Redis (``INCRBY`` on one key per rule and window, expiring after the
-window) and every replica reads the totals back on each sync, so they
-enforce one budget; between syncs a replica adds its own charges locally. A
-Redis error leaves the local counts in charge and the charges queued for
+A request a budget covers reserves its estimate (``routing.limits.estimate``)
+on every budget it falls under as it is admitted, in the same step as the
+check that admits it; its access-log entry (:mod:`sidecar.metering`) later
+replaces the reservation with what it used, or with the estimate when its
+usage never arrived (``metering.billed``). A budget therefore holds, at any
+time, what finished requests used plus what running requests may use, and
+concurrent requests cannot take it past its limit by more than one
+reservation.
+
+The decision reads :attr:`Budgets.spent`, a plain mapping, so the request
+path's decision does no I/O. With a ``redis:`` section the reservation is
+also made in Redis, atomically with the check (:data:`_RESERVE`), so every
+replica enforces one budget; settlements go to Redis at each sync
+(``INCRBY``, positive or negative), and every replica reads the totals back.
+A Redis error leaves the local counts in charge and the amounts queued for
 the next sync.
-
-A budget is checked before a request runs, and charged once it has run:
-requests already admitted when the budget runs out may take it past its
-limit by what they use.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from . import metrics, shared_store
 from .limit_rules import Rule
-from .routing.limits import BUDGET_SEPARATOR, window_of
+from .routing.limits import BUDGET_SEPARATOR, BudgetState, LimitPlan, reservation, window_of
 from .snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -34,6 +37,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("model_router.budgets")
 
 SYNC_INTERVAL_S = 0.25  # how stale another replica's charges may be, at most about this plus a flush
+
+# KEYS: one budget counter per rule (this window); ARGV: the amount, then each
+# rule's limit, then each key's time to live. Refuses (the 1-based index of
+# the spent budget, and its count) or adds the amount to every counter.
+_RESERVE = """
+local n = #KEYS
+for i = 1, n do
+  local v = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if v >= tonumber(ARGV[i + 1]) then return {i, v} end
+end
+for i = 1, n do
+  redis.call('INCRBY', KEYS[i], ARGV[1])
+  redis.call('EXPIRE', KEYS[i], ARGV[n + i + 1])
+end
+return {0, 0}
+"""
 
 
 class Budgets:
@@ -48,7 +67,9 @@ class Budgets:
 
     def observe(self, e: Entry) -> None:
         """An access-log entry (a metering observer): a refusal by a limit is
-        counted; a budgeted request's tokens are charged."""
+        counted; a budgeted request's reservation is settled to what it used."""
+        from .metering import billed
+
         d = e.decision
         model = d.get("limit_model")
         if not model:
@@ -56,18 +77,61 @@ class Budgets:
         if e.status == 429 and (e.rate_limited or d.get("limit_refused")):
             kind = "requests" if e.rate_limited else str(d["limit_refused"])
             metrics.LIMIT_REFUSALS.labels(model, d.get("key_id") or "", kind).inc()
-            return
+            if not e.rate_limited:
+                return  # the sidecar refused it: nothing was reserved
         budgets = d.get("budgets")
-        if budgets and d.get("kind") in ("routed", "answered"):
-            tokens = (e.prompt_tokens or 0) + (e.completion_tokens or 0)
-            self.charge(str(budgets).split(BUDGET_SEPARATOR), tokens, e.start)
+        if not budgets:
+            return
+        held = reservation(d) or (0, e.start)
+        used = billed(e).total if d.get("kind") in ("routed", "answered") else 0
+        self.charge(str(budgets).split(BUDGET_SEPARATOR), used - held[0], held[1])
 
-    def charge(self, rule_ids: Iterable[str], tokens: int, start: float) -> None:
-        """A request's tokens, against each budget it was admitted under."""
-        if tokens <= 0:
+    def reserve(self, limits: LimitPlan) -> None:
+        """Hold a request's reservation on its budgets, locally (the decision
+        that admitted it ran in this same step)."""
+        self.charge(limits.budgets, limits.reserve, limits.now, shared=False)
+
+    async def reserve_shared(self, limits: LimitPlan) -> BudgetState | None:
+        """The reservation in Redis, checked and made in one step: None when
+        made (or Redis failed: then it is queued like a charge), else the
+        budget another replica has spent (the local reservation is undone)."""
+        settings = self.snapshot().config.redis
+        rules = self._rules()
+        held = [rules[rid] for rid in limits.budgets if rid in rules]
+        if settings is None or not held or limits.reserve <= 0:
+            return None
+        keys = [shared_store.key(settings, "budget", r.id, str(window_of(r, limits.now))) for r in held]
+        args = [limits.reserve, *(r.tokens or 0 for r in held), *(2 * r.window_s + 60 for r in held)]
+        try:
+            spent_at, total = await shared_store.client(settings).eval(_RESERVE, len(keys), *keys, *args)
+        except Exception as exc:  # enforce locally; the reservation reaches Redis with the next sync
+            shared_store.REDIS_ERRORS.labels("budgets").inc()
+            log.debug("budgets: redis reservation failed: %s", exc)
+            self._queue(limits.budgets, limits.reserve, limits.now)
+            return None
+        if not spent_at:
+            return None
+        self.charge(limits.budgets, -limits.reserve, limits.now, shared=False)
+        rule = held[int(spent_at) - 1]
+        window = window_of(rule, limits.now)
+        self.spent[rule.id] = (window, max(int(total), self.spent.get(rule.id, (window, 0))[1]))
+        return BudgetState(rule, int(total), (window + 1) * rule.window_s)
+
+    def _queue(self, rule_ids: Iterable[str], tokens: int, at: float) -> None:
+        rules = self._rules()
+        for rid in rule_ids:
+            if rid in rules:
+                key = (rid, window_of(rules[rid], at))
+                self._pending[key] = self._pending.get(key, 0) + tokens
+
+    def charge(self, rule_ids: Iterable[str], tokens: int, start: float, shared: bool = True) -> None:
+        """Tokens (a reservation, or a settlement's difference, which may be
+        negative) against each budget, in the window of ``start``; with
+        ``shared``, also queued for Redis."""
+        if tokens == 0:
             return
         rules = self._rules()
-        shared = self.snapshot().config.redis is not None
+        redis = self.snapshot().config.redis is not None
         for rid in rule_ids:
             rule = rules.get(rid)
             if rule is None:
@@ -75,10 +139,10 @@ class Budgets:
             window = window_of(rule, start)
             seen = self.spent.get(rid)
             if seen is None or seen[0] < window:
-                self.spent[rid] = (window, tokens)
+                self.spent[rid] = (window, max(0, tokens))
             elif seen[0] == window:
-                self.spent[rid] = (window, seen[1] + tokens)
-            if shared:
+                self.spent[rid] = (window, max(0, seen[1] + tokens))
+            if shared and redis:
                 self._pending[rid, window] = self._pending.get((rid, window), 0) + tokens
 
     async def sync(self, now: float) -> None:
@@ -112,11 +176,8 @@ class Budgets:
         totals = results[2 * len(pending):]
         for (r, window), total in zip(current, totals):
             # Charges made since this sync began are in _pending and not yet in Redis.
-            shared = int(total or 0) + self._pending.get((r.id, window), 0)
-            seen = self.spent.get(r.id)
-            if seen is not None and seen[0] == window:
-                shared = max(shared, seen[1])  # within a window a count only grows (Redis may have lost it)
-            self.spent[r.id] = (window, shared)
+            # (A count may fall: settlements give back what reservations held.)
+            self.spent[r.id] = (window, max(0, int(total or 0) + self._pending.get((r.id, window), 0)))
 
     async def run(self, clock: Callable[[], float]) -> None:
         while True:

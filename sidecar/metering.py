@@ -54,6 +54,7 @@ class Entry:
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
     rate_limited: bool = False  # Envoy's request-rate filter refused it
+    cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
 
@@ -92,6 +93,7 @@ def entry_of(log_entry) -> Entry:
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flags.rate_limited,
+        cut=usage.get("cut") is not None,
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
     )
@@ -107,7 +109,53 @@ def _plain(struct) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Billed:
+    """The tokens a request is accounted with, in metrics, usage records and budgets."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    estimated: bool  # no usage arrived: the decision's estimate (routing.limits.estimate)
+
+    @property
+    def total(self) -> int:
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+
+
+_UNKNOWN = Billed(None, None, False)
+
+
+def billed(entry: Entry) -> Billed:
+    """The usage the response reported; or, for a request that ran but whose
+    usage never arrived (a stream either side cut, a client that left before
+    the end, a background create), the estimate its decision published.
+    Anything else without usage (an error, an engine that reports none) is
+    unknown and charged nothing."""
+    d = entry.decision
+    kind = d.get("kind")
+    if kind == "follow_up":
+        return _UNKNOWN  # a retrieved response repeats the usage of the create that was already counted
+    if entry.prompt_tokens is not None or entry.completion_tokens is not None:
+        return Billed(entry.prompt_tokens, entry.completion_tokens, False)
+    if kind not in ("routed", "answered"):
+        return _UNKNOWN  # no model ran, or it ran for a prompt's size only (count_tokens)
+    served = entry.status == 0 or 200 <= entry.status < 300
+    ran = entry.cut or (served and (entry.client_gone or d.get("background") is True))
+    prompt, _, completion = str(d.get("estimate") or "").partition(",")
+    if not ran or not prompt.isdigit() or not completion.isdigit():
+        return _UNKNOWN
+    return Billed(int(prompt), int(completion), True)
+
+
+def outcome(entry: Entry) -> int:
+    """The status a request is recorded with: the router's cut of a stream is
+    an upstream timeout, whatever status line the client got before it."""
+    return 504 if entry.cut else entry.status
+
+
 def status_class(entry: Entry) -> str:
+    if entry.cut:
+        return "server_error"
     if entry.status >= 500 or (entry.status == 0 and not entry.client_gone):
         return "server_error"
     if entry.status >= 400 or entry.status == 0:
@@ -121,6 +169,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
     kind = d.get("kind")
     if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
         return None
+    tokens = billed(entry)
     return {
         "request_id": d.get("request_id"),
         "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
@@ -134,12 +183,12 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "assignment": d.get("assignment"),
         "suffix": d.get("suffix"),
         "fallback_from": d.get("fallback_from"),
-        "status": entry.status,
+        "status": outcome(entry),
         "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
         "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
-        # A retrieved response repeats the usage of the create that was already counted.
-        "prompt_tokens": None if kind == "follow_up" else entry.prompt_tokens,
-        "completion_tokens": None if kind == "follow_up" else entry.completion_tokens,
+        "prompt_tokens": tokens.prompt_tokens,
+        "completion_tokens": tokens.completion_tokens,
+        "estimated": tokens.estimated,
     }
 
 
@@ -224,10 +273,12 @@ class Meter:
             return  # no model ran: no tokens
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
-        if e.prompt_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "prompt").inc(e.prompt_tokens)
-        if e.completion_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "completion").inc(e.completion_tokens)
+        tokens = billed(e)
+        for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
+            if n:
+                metrics.EXPERIMENT_TOKENS.labels(experiment, variant, name).inc(n)
+                if tokens.estimated:
+                    metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from . import errors
@@ -218,11 +219,12 @@ class ResponseStream:
         """Whether the sidecar may still end this stream itself."""
         return self.duplex and not self.finished
 
-    def cut(self, idle_s: float) -> pb.ProcessingResponse:
-        """End a silent event stream with an error event in its family's shape,
-        before Envoy's idle timer resets it (the client would get no error, only
-        a broken connection). An event held back incomplete is dropped: it
-        would not parse."""
+    def cut(self, idle_s: float) -> list[pb.ProcessingResponse]:
+        """End a silent event stream: an error event in its family's shape,
+        then a reset of the upstream request (and of the client's stream),
+        before Envoy's idle timer resets it (the client would get no error,
+        only a broken connection). An event held back incomplete is dropped:
+        it would not parse."""
         self.finished = True
         # Held bytes never left; an oversized event forwarded in part needs its end.
         partial = self.rewriter is not None and self.rewriter.mid_event
@@ -233,8 +235,15 @@ class ResponseStream:
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
         streamed = resp.response_body.response.body_mutation.streamed_response
         streamed.body = (b"\n\n" if partial else b"") + event
-        streamed.end_of_stream = True
-        return resp
+        # Not the end of the stream: an end sent from this (upstream) filter
+        # leaves Envoy's upstream request running. The immediate response
+        # that follows resets the upstream request, and the client's stream
+        # after the event it already has.
+        resp.dynamic_metadata.update({USAGE_NAMESPACE: {"cut": "idle"}})
+        reset = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.GatewayTimeout), details="model_router_stream_cut",
+        ))
+        return [resp, reset]
 
     def _keep(self, chunk: bytes) -> None:
         """Hold the backend's bytes (before any rename) up to the entry limit."""

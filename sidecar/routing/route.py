@@ -40,6 +40,8 @@ class ResponsePlan:
     drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
     cache: CachePlan | None = None
     id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
+    estimate: tuple[int, int] | None = None  # (prompt, completion) charged when no usage arrives (routing.limits.estimate)
+    background: bool = False  # a Responses API create answered before it runs
 
     @property
     def needs_response(self) -> bool:
@@ -53,6 +55,10 @@ class ResponsePlan:
         (metrics, usage records), by the route's response headers (``x_*``
         keys) and by the response processor."""
         m: Meta = {"kind": self.kind, "family": self.family}
+        if self.estimate is not None and self.kind == "routed":
+            m["estimate"] = f"{self.estimate[0]},{self.estimate[1]}"
+        if self.background:
+            m["background"] = True
         if self.experiment is not None:
             m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
             if self.caller is not None:
