@@ -22,8 +22,10 @@ the next sync.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import metrics, shared_store
@@ -55,12 +57,39 @@ return {0, 0}
 """
 
 
+MAX_OPEN = 100_000  # background creates awaiting their retrieve, per process (oldest dropped)
+BACKGROUND_TTL_S = 2 * 86400  # how long Redis keeps a background create for its retrieve
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """A background create charged its estimate, until a retrieve reports its usage."""
+
+    rule_ids: tuple[str, ...]
+    charged: int
+    at: float  # the time whose windows hold the charge
+
+    def dumps(self) -> str:
+        return json.dumps([list(self.rule_ids), self.charged, self.at])
+
+    @staticmethod
+    def loads(raw: bytes | str) -> Open | None:
+        try:
+            ids, charged, at = json.loads(raw)
+            return Open(tuple(str(i) for i in ids), int(charged), float(at))
+        except (ValueError, TypeError):
+            return None
+
+
 class Budgets:
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self.snapshot = snapshot
         self.spent: dict[str, tuple[int, int]] = {}  # rule id -> (window, tokens)
         self._pending: dict[tuple[str, int], int] = {}  # (rule id, window) -> tokens not yet in Redis
         self._task: asyncio.Task | None = None
+        self._open: dict[str, Open] = {}  # background creates charged their estimate, by engine response id
+        self._opened: list[tuple[str, Open]] = []  # not yet in Redis
+        self._claimed: list[tuple[str, int]] = []  # retrieves that reported usage: (engine id, tokens), not yet claimed
 
     def _rules(self) -> dict[str, Rule]:
         return {r.id: r for rs in self.snapshot().limits.values() for r in rs if r.tokens is not None}
@@ -71,6 +100,9 @@ class Budgets:
         from .metering import billed
 
         d = e.decision
+        if d.get("kind") == "follow_up":
+            self._retrieved(e)
+            return
         model = d.get("limit_model")
         if not model:
             return
@@ -83,8 +115,37 @@ class Budgets:
         if not budgets:
             return
         held = reservation(d) or (0, e.start)
-        used = billed(e).total if d.get("kind") in ("routed", "answered") else 0
-        self.charge(str(budgets).split(BUDGET_SEPARATOR), used - held[0], held[1])
+        tokens = billed(e) if d.get("kind") in ("routed", "answered") else None
+        used = tokens.total if tokens is not None else 0
+        rule_ids = str(budgets).split(BUDGET_SEPARATOR)
+        self.charge(rule_ids, used - held[0], held[1])
+        if tokens is not None and tokens.estimated and d.get("background") is True and e.response_id:
+            self._background(e.response_id, rule_ids, used, held[1])
+
+    def _background(self, response_id: str, rule_ids: list[str], charged: int, at: float) -> None:
+        """A background create charged its estimate: its first retrieve that
+        reports usage settles it (once per response id)."""
+        open_ = Open(tuple(rule_ids), charged, at)
+        if self.snapshot().config.redis is not None:
+            self._opened.append((response_id, open_))  # Redis holds it, so any replica can settle it
+            return
+        self._open[response_id] = open_
+        while len(self._open) > MAX_OPEN:
+            del self._open[next(iter(self._open))]
+
+    def _retrieved(self, e: Entry) -> None:
+        """A follow-up: when it returned a response's usage, the create's
+        estimate is settled to it, once (the first such retrieve claims it)."""
+        rid = e.decision.get("response_id")
+        if not isinstance(rid, str) or e.prompt_tokens is None and e.completion_tokens is None:
+            return
+        used = (e.prompt_tokens or 0) + (e.completion_tokens or 0)
+        if self.snapshot().config.redis is not None:
+            self._claimed.append((rid, used))  # the first claim in Redis (GETDEL) settles it
+            return
+        found = self._open.pop(rid, None)
+        if found is not None:
+            self.charge(found.rule_ids, used - found.charged, found.at)
 
     def reserve(self, limits: LimitPlan) -> None:
         """Hold a request's reservation on its budgets, locally (the decision
@@ -152,6 +213,7 @@ class Budgets:
         if settings is None:
             self._pending.clear()
             return
+        await self._settle_background(settings)
         rules = self._rules()
         if not rules and not self._pending:
             return
@@ -178,6 +240,31 @@ class Budgets:
             # Charges made since this sync began are in _pending and not yet in Redis.
             # (A count may fall: settlements give back what reservations held.)
             self.spent[r.id] = (window, max(0, int(total or 0) + self._pending.get((r.id, window), 0)))
+
+    async def _settle_background(self, settings) -> None:
+        """Background creates into Redis, then the retrieves' claims on them
+        (in that order, in one pipeline): a claim that finds its create
+        settles it here, and no other replica can find it again."""
+        opened, claimed = self._opened, self._claimed
+        if not opened and not claimed:
+            return
+        self._opened, self._claimed = [], []
+        try:
+            pipe = shared_store.client(settings).pipeline(transaction=False)
+            for rid, open_ in opened:
+                pipe.set(shared_store.key(settings, "background", rid), open_.dumps(), ex=BACKGROUND_TTL_S)
+            for rid, _ in claimed:
+                pipe.getdel(shared_store.key(settings, "background", rid))
+            results = await pipe.execute()
+        except Exception as exc:  # retried at the next sync
+            shared_store.REDIS_ERRORS.labels("budgets").inc()
+            log.debug("budgets: redis background settlement failed: %s", exc)
+            self._opened, self._claimed = opened + self._opened, claimed + self._claimed
+            return
+        for (_, used), raw in zip(claimed, results[len(opened):]):
+            found = Open.loads(raw) if raw is not None else None
+            if found is not None:
+                self.charge(found.rule_ids, used - found.charged, found.at)
 
     async def run(self, clock: Callable[[], float]) -> None:
         while True:

@@ -55,6 +55,7 @@ class Entry:
     client_gone: bool  # the client went away before the answer
     rate_limited: bool = False  # Envoy's request-rate filter refused it
     cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
+    response_id: str | None = None  # a background create's engine id, as its answer gave it
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
 
@@ -94,6 +95,7 @@ def entry_of(log_entry) -> Entry:
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flags.rate_limited,
         cut=usage.get("cut") is not None,
+        response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
     )

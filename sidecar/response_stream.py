@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
@@ -73,6 +74,7 @@ class Rewrite:
     strip_usage: bool  # remove the usage the router injected into a stream
     store: Store | None = None  # keep the backend's answer in the response cache
     id_tag: str | None = None  # put before Responses API ids (sidecar.response_ids)
+    background: bool = False  # a background create: publish its engine's id (budgets settle it on retrieve)
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -88,8 +90,9 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     store = _store_of(fields)
     if not model and not strip and store is None and not tag:
         return None
+    background = "background" in fields and fields["background"].bool_value
     return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
-                   id_tag=tag or None)
+                   id_tag=tag or None, background=background)
 
 
 def _store_of(fields) -> Store | None:
@@ -100,6 +103,22 @@ def _store_of(fields) -> Store | None:
         return None
     return Store(fields["cache_key"].string_value, int(text["cache_ttl_s"]), int(text["cache_max_bytes"]),
                  text["experiment"], text["variant"])
+
+
+def _struct(value: dict) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.update(value)
+    return md
+
+
+def response_id_of(body: bytes) -> str | None:
+    """The top-level ``id`` of a Responses API object as the engine sent it, or None."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    found = data.get("id") if isinstance(data, dict) and data.get("object") == "response" else None
+    return found if isinstance(found, str) and 0 < len(found) <= 256 else None
 
 
 def usage_metadata(usage: Usage) -> struct_pb2.Struct:
@@ -182,6 +201,10 @@ class ResponseStream:
             if now != self.published:
                 self.published = now
                 resp.dynamic_metadata.CopyFrom(usage_metadata(usage))
+        if self.plan.background and self.buffered:
+            engine_id = response_id_of(msg.body)
+            if engine_id is not None:
+                resp.dynamic_metadata.MergeFrom(_struct({USAGE_NAMESPACE: {"response_id": engine_id}}))
         if self.duplex:
             # Envoy sends on only what comes back, changed or not.
             streamed = resp.response_body.response.body_mutation.streamed_response

@@ -1,7 +1,8 @@
 """Token budgets cannot be skipped: through real Envoy and demo engines, a
 background Responses create and a stream the client cuts are charged (their
-estimate, marked in the usage record), and two sidecars sharing a budget in a
-real redis-server overshoot it under concurrent load by at most one
+estimate, marked in the usage record; the create is settled to its usage by
+its first retrieve that reports it, once), and two sidecars sharing a budget
+in a real redis-server overshoot it under concurrent load by at most one
 request's reservation."""
 
 from __future__ import annotations
@@ -73,20 +74,35 @@ def charged_between(stack, run) -> tuple[int, dict[str, dict], list[str]]:
     pytest.fail("three budget windows ended mid-run")
 
 
-def test_a_background_create_is_charged_its_estimate(stack):
+def test_a_background_create_is_charged_its_estimate_then_settled_by_its_retrieve(stack):
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-team", max_retries=0, timeout=60)
+    made: dict[str, str] = {}
 
-    def run() -> list[str]:
+    def create() -> list[str]:
         raw = client.responses.with_raw_response.create(
             model="chat", input="word " * 150, background=True, max_output_tokens=200)
+        made["id"] = raw.parse().id
         assert raw.parse().status in ("queued", "in_progress")
         return [raw.headers["x-request-id"]]
 
-    taken, seen, (rid,) = charged_between(stack, run)
+    taken, seen, (rid,) = charged_between(stack, create)
     record = seen[rid]
     assert record["estimated"] is True and record["status"] == 200
     assert record["completion_tokens"] == 200 and record["prompt_tokens"] >= 150 * 5 // 4
     assert taken == tokens(record)
+    usage: dict[str, int] = {}
+
+    def retrieve_twice() -> list[str]:
+        done = client.responses.retrieve(made["id"])
+        assert done.status == "completed" and done.usage is not None
+        usage["total"] = done.usage.total_tokens
+        assert client.responses.retrieve(made["id"]).usage.total_tokens == usage["total"]
+        return []
+
+    taken, _, _ = charged_between(stack, retrieve_twice)
+    # The first retrieve that reports usage replaces the estimate with it; the second charges nothing.
+    assert usage["total"] < tokens(record)
+    assert taken == usage["total"] - tokens(record)
 
 
 def test_a_stream_the_client_cuts_is_charged_its_estimate(stack):
@@ -129,8 +145,10 @@ metering: {flush_interval_ms: 100}
 redis: {url: "%(url)s", key_prefix: "billing-%(run)s:", timeout_ms: 1000}
 backends:
   - {name: pool, url: "demo://", models: [base]}
+  - {name: store, url: "demo://", models: [bg]}
 limits:
   - {model: base, tokens: 1200, token_window: 1h}
+  - {model: bg, tokens: 100000000, token_window: 1h}
 """
 LIMIT = 1200
 WORKERS = 12
@@ -140,6 +158,34 @@ WORKERS = 12
 def shared(stack_factory, redis_server):
     run = time.time_ns()
     return stack_factory(SHARED % {"url": redis_server.url, "run": run}, sidecars=2), f"billing-{run}:"
+
+
+def test_a_background_create_is_settled_once_by_a_retrieve_on_either_sidecar(shared, redis_server):
+    s, prefix = shared
+    db = redis.Redis.from_url(redis_server.url)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0, timeout=60)
+    window = time.time() // HOUR
+    counter = f"{prefix}budget:*/bg:{int(window)}"
+    created = client.responses.with_raw_response.create(model="bg", input="one two three", background=True,
+                                                        max_output_tokens=500)
+    assert metered(s)
+    estimate = tokens(records(s)[created.headers["x-request-id"]])
+    wait_counter(db, counter, estimate)
+    total = client.responses.retrieve(created.parse().id).usage.total_tokens
+    for _ in range(3):  # Envoy spreads these over both sidecars; only one claim finds the create
+        client.responses.retrieve(created.parse().id)
+    assert metered(s)
+    if time.time() // HOUR != window:
+        pytest.skip("the budget's window ended mid-run")
+    wait_counter(db, counter, total)
+    assert total < estimate
+
+
+def wait_counter(db, key: str, expected: int) -> None:
+    deadline = time.monotonic() + 10
+    while int(db.get(key) or 0) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert int(db.get(key) or 0) == expected
 
 
 def test_two_sidecars_under_concurrent_load_overshoot_by_at_most_one_reservation(shared, redis_server):
@@ -175,9 +221,4 @@ def test_two_sidecars_under_concurrent_load_overshoot_by_at_most_one_reservation
     assert all(seen[rid]["estimated"] is False for rid in served)
     assert LIMIT - reservation * WORKERS < used <= LIMIT + reservation, (used, len(served))
     # Every reservation is settled to what was used: Redis holds exactly that.
-    counter = f"{prefix}budget:*/base:{int(window)}"
-    db = redis.Redis.from_url(redis_server.url)
-    deadline = time.monotonic() + 10
-    while int(db.get(counter) or 0) != used and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert int(db.get(counter) or 0) == used
+    wait_counter(redis.Redis.from_url(redis_server.url), f"{prefix}budget:*/base:{int(window)}", used)

@@ -42,6 +42,7 @@ class ResponsePlan:
     id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
     estimate: tuple[int, int] | None = None  # (prompt, completion) charged when no usage arrives (routing.limits.estimate)
     background: bool = False  # a Responses API create answered before it runs
+    response_id: str | None = None  # a follow-up: the engine's id of the stored response it is about
 
     @property
     def needs_response(self) -> bool:
@@ -59,6 +60,8 @@ class ResponsePlan:
             m["estimate"] = f"{self.estimate[0]},{self.estimate[1]}"
         if self.background:
             m["background"] = True
+        if self.response_id is not None:
+            m["response_id"] = self.response_id
         if self.experiment is not None:
             m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
             if self.caller is not None:
