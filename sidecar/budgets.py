@@ -117,6 +117,8 @@ class Budgets:
         held = reservation(d) or (0, e.start)
         tokens = billed(e) if d.get("kind") in ("routed", "answered") else None
         used = tokens.total if tokens is not None else 0
+        if tokens is not None and tokens.estimated and reservation(d) is not None:
+            used = min(used, held[0])  # an estimate never charges more than was reserved
         rule_ids = str(budgets).split(BUDGET_SEPARATOR)
         self.charge(rule_ids, used - held[0], held[1])
         if tokens is not None and tokens.estimated and d.get("background") is True and e.response_id:

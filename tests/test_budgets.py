@@ -95,6 +95,13 @@ def test_a_reservation_holds_until_its_entry_settles_it_to_the_usage_or_the_esti
     budgets.reserve(third)
     budgets.observe(entry({"kind": "routed", "limit_model": "m", "estimate": "10,50", **third.metadata()}, status=503))
     assert budgets.spent[RULE] == (100, 67)  # an upstream error without usage: released
+    # An absurd cap cut short is charged at most what it reserved (here the whole budget).
+    greedy = lim.plan(rules, "m", None, budgets.spent, NOW, cost=10**9)
+    assert isinstance(greedy, lim.LimitPlan) and greedy.reserve == 100
+    budgets.reserve(greedy)
+    budgets.observe(entry({"kind": "routed", "limit_model": "m", "estimate": f"3,{10**9}", **greedy.metadata()},
+                          client_gone=True))
+    assert budgets.spent[RULE] == (100, 167)
 
 
 def test_billed_estimates_only_requests_that_ran_without_usage():

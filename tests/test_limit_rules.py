@@ -148,6 +148,7 @@ def test_the_estimate_is_a_quarter_of_the_body_and_the_output_cap_times_n():
     assert lim.estimate(body, {"max_output_tokens": 7, "max_tokens": 30}) == (11, 7)
     assert lim.estimate(body, {"max_completion_tokens": 9, "n": 3}) == (11, 27)
     assert lim.estimate(b"", None) == (0, lim.DEFAULT_OUTPUT_ESTIMATE)
+    assert lim.estimate(b"", {"max_tokens": 10**18, "n": 128}) == (0, lim.MAX_OUTPUT_ESTIMATE)
     # A cap that is not a positive integer is no cap; an absurd n counts once.
     for odd in ({"max_tokens": True}, {"max_tokens": -5}, {"max_tokens": "9"}, {"max_tokens": 1.5}, {"n": 10**6}):
         assert lim.estimate(b"", odd) == (0, lim.DEFAULT_OUTPUT_ESTIMATE)

@@ -31,6 +31,7 @@ BUDGET_SEPARATOR = "\n"  # between rule ids in the decision's metadata (no model
 DEFAULT_OUTPUT_ESTIMATE = 1024
 _OUTPUT_CAPS = ("max_output_tokens", "max_completion_tokens", "max_tokens")
 _MAX_CHOICES = 128
+MAX_OUTPUT_ESTIMATE = 1 << 20  # a cap a client may write is no measure of what it used
 
 
 def estimate(body: bytes, data: Mapping[str, Any] | None) -> tuple[int, int]:
@@ -54,7 +55,7 @@ def estimate(body: bytes, data: Mapping[str, Any] | None) -> tuple[int, int]:
         n = data.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= _MAX_CHOICES:
             choices = n
-    return prompt, cap * choices
+    return prompt, min(cap * choices, MAX_OUTPUT_ESTIMATE)
 
 
 @dataclass(frozen=True, slots=True)
