@@ -114,11 +114,12 @@ class Budgets:
         budgets = d.get("budgets")
         if not budgets:
             return
-        held = reservation(d) or (0, e.start)
+        reserved = reservation(d)
+        held = reserved or (0, e.start)
         tokens = billed(e) if d.get("kind") in ("routed", "answered") else None
         used = tokens.total if tokens is not None else 0
-        if tokens is not None and tokens.estimated and reservation(d) is not None:
-            used = min(used, held[0])  # an estimate never charges more than was reserved
+        if tokens is not None and tokens.estimated and reserved is not None:
+            used = min(used, reserved[0])  # an estimate never charges more than was reserved
         rule_ids = str(budgets).split(BUDGET_SEPARATOR)
         self.charge(rule_ids, used - held[0], held[1])
         if tokens is not None and tokens.estimated and d.get("background") is True and e.response_id:
@@ -261,7 +262,9 @@ class Budgets:
         except Exception as exc:  # retried at the next sync
             shared_store.REDIS_ERRORS.labels("budgets").inc()
             log.debug("budgets: redis background settlement failed: %s", exc)
-            self._opened, self._claimed = opened + self._opened, claimed + self._claimed
+            # Kept for the next sync, the newest of them while Redis stays away.
+            self._opened = (opened + self._opened)[-MAX_OPEN:]
+            self._claimed = (claimed + self._claimed)[-MAX_OPEN:]
             return
         for (_, used), raw in zip(claimed, results[len(opened):]):
             found = Open.loads(raw) if raw is not None else None
