@@ -238,9 +238,14 @@ class Meter:
         records = []
         for e in entries:
             metrics.ACCESS_LOG_ENTRIES.inc()
-            self._count(e)
-            for observer in self.observers:
-                observer.observe(e)
+            # Each step on its own: one that fails loses neither this entry's
+            # other accounts nor the rest of the batch.
+            for step in (self._count, *(o.observe for o in self.observers)):
+                try:
+                    step(e)
+                except Exception:
+                    metrics.STREAM_ERRORS.inc()
+                    log.exception("an access-log entry could not be accounted")
             if self.sink is not None and (rec := usage_record(e)) is not None:
                 records.append(rec)
         if records and self.sink is not None:
