@@ -105,12 +105,6 @@ def _store_of(fields) -> Store | None:
                  text["experiment"], text["variant"])
 
 
-def _struct(value: dict) -> struct_pb2.Struct:
-    md = struct_pb2.Struct()
-    md.update(value)
-    return md
-
-
 def response_id_of(body: bytes) -> str | None:
     """The top-level ``id`` of a Responses API object as the engine sent it, or None."""
     try:
@@ -204,7 +198,8 @@ class ResponseStream:
         if self.plan.background and self.buffered:
             engine_id = response_id_of(msg.body)
             if engine_id is not None:
-                resp.dynamic_metadata.MergeFrom(_struct({USAGE_NAMESPACE: {"response_id": engine_id}}))
+                # Beside the usage this answer may also publish, in the same namespace.
+                resp.dynamic_metadata.fields[USAGE_NAMESPACE].struct_value.update({"response_id": engine_id})
         if self.duplex:
             # Envoy sends on only what comes back, changed or not.
             streamed = resp.response_body.response.body_mutation.streamed_response
