@@ -56,6 +56,7 @@ class Entry:
     rate_limited: bool = False  # Envoy's request-rate filter refused it
     cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
     response_id: str | None = None  # a background create's engine id, as its answer gave it
+    streamed: int | None = None  # a cut stream: the events it passed on before the cut
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
 
@@ -96,6 +97,7 @@ def entry_of(log_entry) -> Entry:
         rate_limited=flags.rate_limited,
         cut=usage.get("cut") is not None,
         response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
+        streamed=_tokens(usage, "streamed"),
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
     )
@@ -130,7 +132,8 @@ _UNKNOWN = Billed(None, None, False)
 def billed(entry: Entry) -> Billed:
     """The usage the response reported; or, for a request that ran but whose
     usage never arrived (a stream either side cut, a client that left before
-    the end, a background create), the estimate its decision published.
+    the end, a background create), the estimate its decision published (for
+    the router's own cut, the events it streamed stand for the completion).
     Anything else without usage (an error, an engine that reports none) is
     unknown and charged nothing."""
     d = entry.decision
@@ -146,6 +149,9 @@ def billed(entry: Entry) -> Billed:
     prompt, _, completion = str(d.get("estimate") or "").partition(",")
     if not ran or not prompt.isdigit() or not completion.isdigit():
         return _UNKNOWN
+    if entry.cut and entry.streamed is not None:
+        # The router cut it and reset the engine: what it streamed, within the cap.
+        return Billed(int(prompt), min(entry.streamed, int(completion)), True)
     return Billed(int(prompt), int(completion), True)
 
 

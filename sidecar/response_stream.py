@@ -129,7 +129,8 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 class ResponseStream:
     """One response being rewritten: JSON bodies whole, SSE event by event."""
 
-    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished", "keeping", "kept")
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished", "keeping", "kept",
+                 "events")
 
     def __init__(self, plan: Rewrite) -> None:
         self.plan = plan
@@ -141,6 +142,7 @@ class ResponseStream:
         self.buffered = False  # Envoy holds the headers and sends the whole body once
         self.published: tuple[int, int] | None = None  # the usage last put in metadata
         self.finished = False  # nothing more to change: the stream can end
+        self.events = 0  # data lines of an event stream passed on so far (about one token each)
 
     def headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -201,6 +203,7 @@ class ResponseStream:
                 # Beside the usage this answer may also publish, in the same namespace.
                 resp.dynamic_metadata.fields[USAGE_NAMESPACE].struct_value.update({"response_id": engine_id})
         if self.duplex:
+            self.events += msg.body.count(b"data:")
             # Envoy sends on only what comes back, changed or not.
             streamed = resp.response_body.response.body_mutation.streamed_response
             streamed.body = msg.body if out is None else out
@@ -257,7 +260,8 @@ class ResponseStream:
         # leaves Envoy's upstream request running. The immediate response
         # that follows resets the upstream request, and the client's stream
         # after the event it already has.
-        resp.dynamic_metadata.update({USAGE_NAMESPACE: {"cut": "idle"}})
+        # What was streamed measures the completion better than the request's cap.
+        resp.dynamic_metadata.update({USAGE_NAMESPACE: {"cut": "idle", "streamed": self.events}})
         reset = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=http_status_pb2.GatewayTimeout), details="model_router_stream_cut",
         ))

@@ -110,6 +110,8 @@ def test_billed_estimates_only_requests_that_ran_without_usage():
     assert billed(entry(d, client_gone=True)) == Billed(10, 50, True)
     assert billed(entry(d, status=0, client_gone=True)) == Billed(10, 50, True)
     assert billed(entry(d, cut=True)) == Billed(10, 50, True)
+    assert billed(entry(d, cut=True, streamed=7)) == Billed(10, 7, True)
+    assert billed(entry(d, cut=True, streamed=70)) == Billed(10, 50, True)
     assert billed(entry({**d, "background": True})) == Billed(10, 50, True)
     assert billed(entry(d)) == Billed(None, None, False)  # an engine that reports no usage
     assert billed(entry(d, status=502, client_gone=True)) == Billed(None, None, False)
