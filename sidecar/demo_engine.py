@@ -14,8 +14,9 @@ Served routes:
   deleted, cancelled and their input items listed: see :mod:`sidecar.demo_responses`),
   ``/v1/images/generations``, ``/v1/images/edits``
 * Anthropic: ``POST /v1/messages``, ``/v1/messages/count_tokens``
-* Test hooks under ``/_demo/``: ``GET``/``DELETE /_demo/requests`` and
-  ``POST /_demo/state``.
+* Test hooks under ``/_demo/``: ``GET``/``DELETE /_demo/requests`` (a
+  streamed request whose peer went away before its last event is marked
+  ``"disconnected": true``) and ``POST /_demo/state``.
 
 ``POST /_demo/state`` takes a JSON object with any of: ``waiting``, ``running``
 and ``extra_generation_tokens`` (the vLLM-shaped gauges and counter),
@@ -157,6 +158,7 @@ class _Parsed:
     form: dict[str, str] | None = None
     files: list[dict[str, Any]] = field(default_factory=list)
     hooks: _Hooks = field(default_factory=_Hooks)
+    record: dict[str, Any] | None = None  # this request's entry in /_demo/requests
 
 
 _PARSED: Any = web.RequestKey("demo_parsed", _Parsed) if hasattr(web, "RequestKey") else "demo_parsed"
@@ -381,6 +383,8 @@ class _Engine:
         except ValueError as exc:
             return self.error_for(request, 400, f"malformed request body: {exc}")
         self.state.records.append(record)
+        if _PARSED in request:
+            request[_PARSED].record = record
         response = await self.serve_api(request, handler)
         if not response.prepared:
             response.headers["x-demo-engine"] = self.name
@@ -479,7 +483,11 @@ class _Engine:
         try:
             await self._write_events(response, events, hooks)
         except ConnectionResetError:
-            pass
+            # The peer reset or closed the stream before its end: a test can see
+            # that the engine stopped generating for a caller that is gone.
+            record = request[_PARSED].record
+            if record is not None:
+                record["disconnected"] = True
         return response
 
     @staticmethod

@@ -50,6 +50,7 @@ from .response_stream import (
     usage_metadata,
 )
 from .rewrite import rewrite_json_body
+from .routing.limits import refusal as budget_refusal
 from .routing.trace import Trace
 from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
 from .spans import upstream_traceparent
@@ -208,7 +209,8 @@ class Processor(pbg.ExternalProcessorServicer):
                     break
                 if req is _SILENT and response is not None:
                     metrics.STREAMS_CUT.labels("idle").inc()
-                    yield response.cut(silence)
+                    for answer in response.cut(silence):
+                        yield answer
                     return
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
@@ -220,7 +222,7 @@ class Processor(pbg.ExternalProcessorServicer):
                         yield self._shed(st, req.request_headers)
                         return
                     self.runtime.count_request()
-                    resp = self._request_headers(st, req.request_headers)
+                    resp = await self._shared_budgets(st, self._request_headers(st, req.request_headers))
                     yield resp
                     if resp.mode_override.request_body_mode != _P.BUFFERED:
                         return  # the last answer Envoy needs: end the stream from our side
@@ -240,7 +242,7 @@ class Processor(pbg.ExternalProcessorServicer):
                         resp = await self._online(st, req.request_body.body)
                     elif plan is not None and plan.cache is not None and plan.cache.read:
                         resp = await self._from_cache(st) or resp
-                    yield resp
+                    yield await self._shared_budgets(st, resp)
                     return
                 elif kind == "response_headers":
                     # A response stream (the upstream filter), opened only for rewrites.
@@ -401,6 +403,8 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(common, st)
         st.route = route
         self._remember(st, route)
+        if route.limits is not None and route.limits.budgets:
+            self.runtime.budgets.reserve(route.limits)  # in the step whose decision admitted it
         if route.body is not None:
             common.body_mutation.body = route.body
         md = _struct({NAMESPACE: {**route.metadata(), **st.meta(), **self._explained(st, route)}})
@@ -410,6 +414,18 @@ class Processor(pbg.ExternalProcessorServicer):
                 dynamic_metadata=md,
             )
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
+
+    async def _shared_budgets(self, st: _Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """With Redis, the reservation the decision made locally is made in
+        Redis too, checked against every replica's count; a budget another
+        replica spent refuses the request after all."""
+        route = st.route
+        if route is None or route.limits is None or not route.limits.budgets or st.snap.config.redis is None:
+            return resp
+        spent = await self.runtime.budgets.reserve_shared(route.limits)
+        if spent is None:
+            return resp
+        return self._refuse(budget_refusal(spent, route.limits.model, st.family, route.limits.now), st)
 
     async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         route = st.route

@@ -54,6 +54,9 @@ class Entry:
     upstream_failed: bool  # Envoy could not get a complete answer from the backend
     client_gone: bool  # the client went away before the answer
     rate_limited: bool = False  # Envoy's request-rate filter refused it
+    cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
+    response_id: str | None = None  # a background create's engine id, as its answer gave it
+    streamed: int | None = None  # a cut stream: the events it passed on before the cut
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
     answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
@@ -93,6 +96,9 @@ def entry_of(log_entry) -> Entry:
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flags.rate_limited,
+        cut=usage.get("cut") is not None,
+        response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
+        streamed=_tokens(usage, "streamed"),
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
         answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
@@ -112,7 +118,57 @@ def _plain(struct) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Billed:
+    """The tokens a request is accounted with, in metrics, usage records and budgets."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    estimated: bool  # no usage arrived: the decision's estimate (routing.limits.estimate)
+
+    @property
+    def total(self) -> int:
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+
+
+_UNKNOWN = Billed(None, None, False)
+
+
+def billed(entry: Entry) -> Billed:
+    """The usage the response reported; or, for a request that ran but whose
+    usage never arrived (a stream either side cut, a client that left before
+    the end, a background create), the estimate its decision published (for
+    the router's own cut, the events it streamed stand for the completion).
+    Anything else without usage (an error, an engine that reports none) is
+    unknown and charged nothing."""
+    d = entry.decision
+    kind = d.get("kind")
+    if kind == "follow_up":
+        return _UNKNOWN  # a retrieved response repeats the usage of the create that was already counted
+    if entry.prompt_tokens is not None or entry.completion_tokens is not None:
+        return Billed(entry.prompt_tokens, entry.completion_tokens, False)
+    if kind not in ("routed", "answered"):
+        return _UNKNOWN  # no model ran, or it ran for a prompt's size only (count_tokens)
+    served = entry.status == 0 or 200 <= entry.status < 300
+    ran = entry.cut or (served and (entry.client_gone or d.get("background") is True))
+    prompt, _, completion = str(d.get("estimate") or "").partition(",")
+    if not ran or not prompt.isdigit() or not completion.isdigit():
+        return _UNKNOWN
+    if entry.cut and entry.streamed is not None:
+        # The router cut it and reset the engine: what it streamed, within the cap.
+        return Billed(int(prompt), min(entry.streamed, int(completion)), True)
+    return Billed(int(prompt), int(completion), True)
+
+
+def outcome(entry: Entry) -> int:
+    """The status a request is recorded with: the router's cut of a stream is
+    an upstream timeout, whatever status line the client got before it."""
+    return 504 if entry.cut else entry.status
+
+
 def status_class(entry: Entry) -> str:
+    if entry.cut:
+        return "server_error"
     # A response cut by its upstream (an engine crash mid-stream) went out as a 200 but failed.
     failed = entry.upstream_failed and not entry.client_gone
     if entry.status >= 500 or failed or (entry.status == 0 and not entry.client_gone):
@@ -132,6 +188,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         from .experiments.feedback import usage_record as feedback_record
 
         return feedback_record(d, entry.start)
+    tokens = billed(entry)
     return {
         "request_id": d.get("request_id"),
         "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
@@ -146,12 +203,12 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         "caller": d.get("caller"),  # the sticky caller's hash: distinct callers in the readout
         "suffix": d.get("suffix"),
         "fallback_from": d.get("fallback_from"),
-        "status": entry.status,
+        "status": outcome(entry),
         "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
         "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
-        # A retrieved response repeats the usage of the create that was already counted.
-        "prompt_tokens": None if kind == "follow_up" else entry.prompt_tokens,
-        "completion_tokens": None if kind == "follow_up" else entry.completion_tokens,
+        "prompt_tokens": tokens.prompt_tokens,
+        "completion_tokens": tokens.completion_tokens,
+        "estimated": tokens.estimated,
     }
 
 
@@ -199,9 +256,14 @@ class Meter:
         records = []
         for e in entries:
             metrics.ACCESS_LOG_ENTRIES.inc()
-            self._count(e)
-            for observer in self.observers:
-                observer.observe(e)
+            # Each step on its own: one that fails loses neither this entry's
+            # other accounts nor the rest of the batch.
+            for step in (self._count, *(o.observe for o in self.observers)):
+                try:
+                    step(e)
+                except Exception:
+                    metrics.STREAM_ERRORS.inc()
+                    log.exception("an access-log entry could not be accounted")
             if self.sink is not None and (rec := usage_record(e)) is not None:
                 records.append(rec)
         if records and self.sink is not None:
@@ -236,10 +298,12 @@ class Meter:
             return  # no model ran: no tokens
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
-        if e.prompt_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "prompt").inc(e.prompt_tokens)
-        if e.completion_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "completion").inc(e.completion_tokens)
+        tokens = billed(e)
+        for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
+            if n:
+                metrics.EXPERIMENT_TOKENS.labels(experiment, variant, name).inc(n)
+                if tokens.estimated:
+                    metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):

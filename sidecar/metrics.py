@@ -48,6 +48,13 @@ EXPERIMENT_TOKENS = Counter(
     ["experiment", "variant", "kind"],
     registry=REGISTRY,
 )
+EXPERIMENT_ESTIMATED_TOKENS = Counter(
+    "model_experiment_estimated_tokens_total",
+    "The part of model_experiment_tokens_total that is an estimate: requests whose usage never arrived "
+    "(a stream cut before its usage event, a background create).",
+    ["experiment", "variant", "kind"],
+    registry=REGISTRY,
+)
 RESERVED_REFUSALS = Counter(
     "model_experiment_reserved_refusals_total",
     "Direct requests for a reserved variant model that were refused.",
@@ -216,6 +223,7 @@ def prime(config: Config) -> None:
             EXPERIMENT_DURATION.labels(e.name, v.id)
             for kind in ("prompt", "completion"):
                 EXPERIMENT_TOKENS.labels(e.name, v.id, kind)
+                EXPERIMENT_ESTIMATED_TOKENS.labels(e.name, v.id, kind)
             for status in STATUSES:
                 for assignment in ASSIGNMENTS:
                     EXPERIMENT_REQUESTS.labels(e.name, v.id, status, assignment)

@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from . import errors
@@ -75,6 +77,7 @@ class Rewrite:
     id_tag: str | None = None  # the owner to seal into Responses API ids (sidecar.response_ids)
     tagger: Callable[[str], str] | None = None  # the engine's id -> the client's, from id_tag and the router's key
     not_found: str | None = None  # a follow-up's id: the engine's 404 is answered as the router's
+    background: bool = False  # a background create: publish its engine's id (budgets settle it on retrieve)
 
 
 def rewrite_of(metadata_context) -> Rewrite | None:
@@ -91,8 +94,9 @@ def rewrite_of(metadata_context) -> Rewrite | None:
     store = _store_of(fields)
     if not model and not strip and store is None and not tag and not not_found:
         return None
+    background = "background" in fields and fields["background"].bool_value
     return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
-                   id_tag=tag or None, not_found=not_found or None)
+                   id_tag=tag or None, not_found=not_found or None, background=background)
 
 
 def _store_of(fields) -> Store | None:
@@ -103,6 +107,16 @@ def _store_of(fields) -> Store | None:
         return None
     return Store(fields["cache_key"].string_value, int(text["cache_ttl_s"]), int(text["cache_max_bytes"]),
                  text["experiment"], text["variant"])
+
+
+def response_id_of(body: bytes) -> str | None:
+    """The top-level ``id`` of a Responses API object as the engine sent it, or None."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    found = data.get("id") if isinstance(data, dict) and data.get("object") == "response" else None
+    return found if isinstance(found, str) and 0 < len(found) <= 256 else None
 
 
 def usage_metadata(usage: Usage) -> struct_pb2.Struct:
@@ -119,7 +133,8 @@ def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
 class ResponseStream:
     """One response being rewritten: JSON bodies whole, SSE event by event."""
 
-    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished", "keeping", "kept")
+    __slots__ = ("plan", "rewriter", "buffer", "buffered", "duplex", "published", "finished", "keeping", "kept",
+                 "events")
 
     def __init__(self, plan: Rewrite) -> None:
         self.plan = plan
@@ -131,6 +146,7 @@ class ResponseStream:
         self.buffered = False  # Envoy holds the headers and sends the whole body once
         self.published: tuple[int, int] | None = None  # the usage last put in metadata
         self.finished = False  # nothing more to change: the stream can end
+        self.events = 0  # data lines of an event stream passed on so far (about one token each)
 
     def headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -185,7 +201,13 @@ class ResponseStream:
             if now != self.published:
                 self.published = now
                 resp.dynamic_metadata.CopyFrom(usage_metadata(usage))
+        if self.plan.background and self.buffered:
+            engine_id = response_id_of(msg.body)
+            if engine_id is not None:
+                # Beside the usage this answer may also publish, in the same namespace.
+                resp.dynamic_metadata.fields[USAGE_NAMESPACE].struct_value.update({"response_id": engine_id})
         if self.duplex:
+            self.events += msg.body.count(b"data:")
             # Envoy sends on only what comes back, changed or not.
             streamed = resp.response_body.response.body_mutation.streamed_response
             streamed.body = msg.body if out is None else out
@@ -222,11 +244,12 @@ class ResponseStream:
         """Whether the sidecar may still end this stream itself."""
         return self.duplex and not self.finished
 
-    def cut(self, idle_s: float) -> pb.ProcessingResponse:
-        """End a silent event stream with an error event in its family's shape,
-        before Envoy's idle timer resets it (the client would get no error, only
-        a broken connection). An event held back incomplete is dropped: it
-        would not parse."""
+    def cut(self, idle_s: float) -> list[pb.ProcessingResponse]:
+        """End a silent event stream: an error event in its family's shape,
+        then a reset of the upstream request (and of the client's stream),
+        before Envoy's idle timer resets it (the client would get no error,
+        only a broken connection). An event held back incomplete is dropped:
+        it would not parse."""
         self.finished = True
         # Held bytes never left; an oversized event forwarded in part needs its end.
         partial = self.rewriter is not None and self.rewriter.mid_event
@@ -238,8 +261,16 @@ class ResponseStream:
         resp = pb.ProcessingResponse(response_body=pb.BodyResponse())
         streamed = resp.response_body.response.body_mutation.streamed_response
         streamed.body = held + (b"\n\n" if partial else b"") + event
-        streamed.end_of_stream = True
-        return resp
+        # Not the end of the stream: an end sent from this (upstream) filter
+        # leaves Envoy's upstream request running. The immediate response
+        # that follows resets the upstream request, and the client's stream
+        # after the event it already has.
+        # What was streamed measures the completion better than the request's cap.
+        resp.dynamic_metadata.update({USAGE_NAMESPACE: {"cut": "idle", "streamed": self.events}})
+        reset = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.GatewayTimeout), details="model_router_stream_cut",
+        ))
+        return [resp, reset]
 
     def _keep(self, chunk: bytes) -> None:
         """Hold the backend's bytes (before any rename) up to the entry limit."""

@@ -140,3 +140,28 @@ limits:
     r = route(snapshot.build(parse(text).config), "m")
     assert r.limits.headers == ((MODEL_HEADER, "m"), (SHARED_MODEL_HEADER, "m"), (SHARED_KEY_HEADER, "a"))
     assert r.limits.metadata()["x_rl_limit"] == "8"  # the local burst, smaller than the shared 30
+
+
+def test_the_estimate_is_a_quarter_of_the_body_and_the_output_cap_times_n():
+    body = b"x" * 41
+    assert lim.estimate(body, {"max_tokens": 30}) == (11, 30)
+    assert lim.estimate(body, {"max_output_tokens": 7, "max_tokens": 30}) == (11, 7)
+    assert lim.estimate(body, {"max_completion_tokens": 9, "n": 3}) == (11, 27)
+    assert lim.estimate(b"", None) == (0, lim.DEFAULT_OUTPUT_ESTIMATE)
+    assert lim.estimate(b"", {"max_tokens": 10**18, "n": 128}) == (0, lim.MAX_OUTPUT_ESTIMATE)
+    # A cap that is not a positive integer is no cap; an absurd n counts once.
+    for odd in ({"max_tokens": True}, {"max_tokens": -5}, {"max_tokens": "9"}, {"max_tokens": 1.5}, {"n": 10**6}):
+        assert lim.estimate(b"", odd) == (0, lim.DEFAULT_OUTPUT_ESTIMATE)
+
+
+def test_a_reservation_is_the_cost_at_most_the_largest_budget_and_travels_in_the_metadata(snap):
+    rules = lim.applicable(snap, "base", "b")
+    small = lim.plan(rules, "base", "b", {}, 6000.0, cost=42)
+    huge = lim.plan(rules, "base", "b", {}, 6000.0, cost=10**12)
+    assert isinstance(small, lim.LimitPlan) and isinstance(huge, lim.LimitPlan)
+    assert small.reserve == 42 and huge.reserve == 100
+    assert lim.reservation(small.metadata()) == (42, 6000.0)
+    assert lim.reservation({}) is None and lim.reservation({"reserved": "x@y"}) is None
+    # No budget: nothing reserved, nothing published.
+    rated = lim.plan(lim.applicable(snap, "solo", None), "solo", None, {}, 6000.0, cost=42)
+    assert isinstance(rated, lim.LimitPlan) and "reserved" not in rated.metadata()

@@ -278,3 +278,29 @@ def test_a_response_its_upstream_cut_is_a_server_error_whatever_its_status():
     assert status_class(entry(503, upstream_failed=True)) == "server_error"
     assert status_class(entry(200, upstream_failed=True, client_gone=True)) == "success"  # the client left first
     assert status_class(entry(0, upstream_failed=False, client_gone=True)) == "client_error"
+
+
+def test_an_observer_that_fails_loses_no_count_and_no_other_entry():
+    from sidecar import metrics as m
+    from sidecar.metering import Entry, Meter
+
+    class Broken:
+        def observe(self, entry):
+            raise RuntimeError("boom")
+
+    seen: list[str] = []
+
+    class Later:
+        def observe(self, entry):
+            seen.append(entry.decision["request_id"])
+
+    def arm() -> float:
+        return m.EXPERIMENT_REQUESTS.labels("unit-meter", "a", "server_error", "sticky")._value.get()
+
+    before, errors = arm(), m.STREAM_ERRORS._value.get()
+    decision = {"kind": "routed", "experiment": "unit-meter", "variant": "a", "assignment": "sticky"}
+    batch = [Entry({**decision, "request_id": str(i)}, 503, 0.0, 0.01, 0.01, None, None, True, False) for i in range(3)]
+    Meter(lambda backend, status: None, observers=(Broken(), Later())).record(batch)
+    assert arm() == before + 3
+    assert seen == ["0", "1", "2"]
+    assert m.STREAM_ERRORS._value.get() == errors + 3

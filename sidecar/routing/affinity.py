@@ -52,7 +52,7 @@ def follow_up(snap: Snapshot, path: str, response_id: str, about: str, caller: C
     owner, backend, upstream = placed
     query = path.partition("?")[2]
     new_path = f"{backend.base_path}/v1/responses/{quote(upstream, safe='')}{about}" + ("?" + query if query else "")
-    plan = ResponsePlan(family="openai", kind="follow_up", not_found=response_id)
+    plan = ResponsePlan(family="openai", kind="follow_up", not_found=response_id, response_id=upstream)
     if about != "/input_items":
         # The answer is the stored response (an input items list carries neither
         # its id nor a model): it gets the id and model name the create's answer had.

@@ -58,10 +58,12 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     continues = _continues(snap, req, parsed)
     if isinstance(continues, Reply):
         return continues
-    limited = _limits(snap, req, client_model)
+    cost = limits.estimate(req.body, parsed.json)
+    limited = _limits(snap, req, client_model, sum(cost))
     if isinstance(limited, Reply):
         return limited
-    plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens")
+    plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens", estimate=cost,
+                        background=req.ingress.response_ids and (parsed.json or {}).get("background") is True)
     target = _experiment(snap, req, parsed, client_model, requested, plan)
     if isinstance(target, Reply):
         return _attributed(target, plan)
@@ -120,7 +122,7 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
         req.trace.stage("cache", verdict, cached=plan.cache is not None)
 
 
-def _limits(snap: Snapshot, req: Request, client_model: str) -> limits.LimitPlan | Reply | None:
+def _limits(snap: Snapshot, req: Request, client_model: str, cost: int) -> limits.LimitPlan | Reply | None:
     """The limits on the client-facing model (for an experiment, every arm's):
     the descriptor for Envoy's request rates, and the token budgets' verdict."""
     key_id = req.caller.key.id if req.caller.key is not None else None
@@ -129,7 +131,7 @@ def _limits(snap: Snapshot, req: Request, client_model: str) -> limits.LimitPlan
         if req.trace is not None and snap.limits:
             req.trace.stage("limits", f"none: no limit names '{client_model}'")
         return None
-    verdict = limits.plan(rules, client_model, key_id, req.spent, req.now)
+    verdict = limits.plan(rules, client_model, key_id, req.spent, req.now, cost)
     if req.trace is not None:
         req.trace.stage(
             "limits", f"refused: the token budget {verdict.rule.id} is spent" if isinstance(verdict, limits.BudgetState)
@@ -189,7 +191,7 @@ def _key_gate(req: Request, client_model: str, sent: str) -> Reply | None:
 def _reservation(snap: Snapshot, req: Request, client_model: str, sent: str) -> Reply | None:
     """A reserved variant model named outside its experiment is answered
     exactly like a model the router does not have."""
-    reserving = reserved_by(snap, client_model)
+    reserving = reserved_by(snap, client_model, aliases=req.ingress.aliases)
     if req.trace is not None:
         req.trace.stage("reservation", "not reserved" if reserving is None else (
             f"refused: reserved by the hidden experiment '{reserving}', answered as an unknown model"),

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from .. import errors
 from ..errors import Reply
@@ -25,6 +26,36 @@ from .route import Meta
 # rule id -> (window index, tokens spent in that window), as the budget counters last saw it
 Spent = Mapping[str, tuple[int, int]]
 BUDGET_SEPARATOR = "\n"  # between rule ids in the decision's metadata (no model name has a control character)
+# Output tokens assumed for a request that sets no cap of its own (max_tokens,
+# max_completion_tokens, max_output_tokens).
+DEFAULT_OUTPUT_ESTIMATE = 1024
+_OUTPUT_CAPS = ("max_output_tokens", "max_completion_tokens", "max_tokens")
+_MAX_CHOICES = 128
+MAX_OUTPUT_ESTIMATE = 1 << 20  # a cap a client may write is no measure of what it used
+
+
+def estimate(body: bytes, data: Mapping[str, Any] | None) -> tuple[int, int]:
+    """What a request may cost before its usage is known: (prompt, completion).
+
+    The prompt is taken as one token per four bytes of the body; the
+    completion as the request's own output cap (times ``n``), or
+    :data:`DEFAULT_OUTPUT_ESTIMATE` without one. It is what a budget
+    reserves up front, and what a request whose usage never arrives (a stream
+    cut before its usage event, a background create) is charged.
+    """
+    prompt = -(-len(body) // 4)
+    cap = DEFAULT_OUTPUT_ESTIMATE
+    choices = 1
+    if data is not None:
+        for name in _OUTPUT_CAPS:
+            v = data.get(name)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                cap = v
+                break
+        n = data.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= _MAX_CHOICES:
+            choices = n
+    return prompt, min(cap * choices, MAX_OUTPUT_ESTIMATE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +79,7 @@ class LimitPlan:
     tightest: BudgetState | None  # the budget with the fewest tokens left
     now: float
     request_limit: int | None = None  # the smallest request allowance among the rates that apply
-
+    reserve: int = 0  # tokens held on each budget from the decision until the request's entry settles them
 
     def metadata(self) -> Meta:
         m: Meta = {"limit_model": self.model}
@@ -57,6 +88,7 @@ class LimitPlan:
             m.update(x_rl_unit="s", x_rl_limit=str(self.request_limit))
         if self.budgets:
             m["budgets"] = BUDGET_SEPARATOR.join(self.budgets)
+            m["reserved"] = f"{self.reserve}@{self.now!r}"  # the amount, and the time whose windows hold it
         if self.tightest is not None:
             m.update(token_headers(self.tightest, self.now))
         return m
@@ -78,8 +110,11 @@ def budget_state(rule: Rule, spent: Spent, now: float) -> BudgetState:
     return BudgetState(rule, used, (window + 1) * rule.window_s)
 
 
-def plan(rules: tuple[Rule, ...], model: str, key_id: str | None, spent: Spent, now: float) -> LimitPlan | BudgetState:
-    """The plan for a request under ``rules``, or the spent budget that refuses it."""
+def plan(rules: tuple[Rule, ...], model: str, key_id: str | None, spent: Spent, now: float,
+         cost: int = 0) -> LimitPlan | BudgetState:
+    """The plan for a request under ``rules`` that may cost ``cost`` tokens
+    (what its budgets reserve, at most the largest of them), or the spent
+    budget that refuses it."""
     headers: list[tuple[str, str]] = []
     for shared, model_header, key_header in ((False, MODEL_HEADER, KEY_HEADER),
                                              (True, SHARED_MODEL_HEADER, SHARED_KEY_HEADER)):
@@ -95,8 +130,22 @@ def plan(rules: tuple[Rule, ...], model: str, key_id: str | None, spent: Spent, 
     tightest = min(states, key=lambda s: s.remaining) if states else None
     # A local bucket allows its burst at once; a shared window its rate.
     allowances = [r.rate[0] if r.shared else r.burst for r in rules if r.rate is not None]
+    reserve = min(cost, max(s.rule.tokens or 0 for s in states)) if states else 0
     return LimitPlan(model, tuple(headers), tuple(s.rule.id for s in states), tightest, now,
-                     min(allowances) if allowances else None)
+                     min(allowances) if allowances else None, reserve)
+
+
+def reservation(metadata: Mapping[str, Any]) -> tuple[int, float] | None:
+    """A decision's reservation (tokens, the time whose windows hold it), read
+    back from its metadata; None when it reserved nothing."""
+    raw = metadata.get("reserved")
+    if not isinstance(raw, str):
+        return None
+    amount, _, at = raw.partition("@")
+    try:
+        return int(amount), float(at)
+    except ValueError:
+        return None
 
 
 def duration(seconds: float) -> str:

@@ -43,6 +43,9 @@ class ResponsePlan:
     # A follow-up's id as the client sent it: the engine's 404 becomes the
     # router's own, so no answer tells an id the engine lost from one never issued.
     not_found: str | None = None
+    estimate: tuple[int, int] | None = None  # (prompt, completion) charged when no usage arrives (routing.limits.estimate)
+    background: bool = False  # a Responses API create answered before it runs
+    response_id: str | None = None  # a follow-up: the engine's id of the stored response it is about
 
     @property
     def needs_response(self) -> bool:
@@ -56,6 +59,12 @@ class ResponsePlan:
         (metrics, usage records), by the route's response headers (``x_*``
         keys) and by the response processor."""
         m: Meta = {"kind": self.kind, "family": self.family}
+        if self.estimate is not None and self.kind == "routed":
+            m["estimate"] = f"{self.estimate[0]},{self.estimate[1]}"
+        if self.background:
+            m["background"] = True
+        if self.response_id is not None:
+            m["response_id"] = self.response_id
         if self.experiment is not None:
             m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
             if self.caller is not None:
