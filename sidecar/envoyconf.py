@@ -180,6 +180,11 @@ _ATTRIBUTION_KEYS = {
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 
 
+# Anthropic ingresses also return the request id as ``request-id`` (what the
+# Anthropic SDK reads); the OpenAI SDK reads ``x-request-id``, always sent.
+_ANTHROPIC_REQUEST_ID = ("request-id", "x_request_id")
+
+
 def _attribution_headers() -> list[dict]:
     return [
         {
@@ -187,7 +192,7 @@ def _attribution_headers() -> list[dict]:
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             "keep_empty_value": False,
         }
-        for name, key in _ATTRIBUTION_KEYS.items()
+        for name, key in (*_ATTRIBUTION_KEYS.items(), _ANTHROPIC_REQUEST_ID)
     ]
 
 
