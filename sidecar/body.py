@@ -29,10 +29,16 @@ class BodyError(Exception):
         super().__init__(message)
 
 
+def has_control(text: str) -> bool:
+    """Whether a name holds a character no model name may (the one rule for
+    request bodies and the config)."""
+    return _CONTROL.search(text) is not None
+
+
 def check_model_name(model: Any) -> str:
     if not isinstance(model, str):
         raise BodyError("missing_model", "The 'model' field must be a string.")
-    if _CONTROL.search(model):
+    if has_control(model):
         raise BodyError("invalid_model", "The 'model' field must not contain control characters.")
     if not model.strip():
         raise BodyError("missing_model", "The 'model' field must not be empty.")
