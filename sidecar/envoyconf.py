@@ -486,7 +486,7 @@ def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dic
     )
 
 
-def _not_on_header_overflow(http_filter: dict) -> dict:
+def not_on_header_overflow(http_filter: dict) -> dict:
     """``http_filter``, skipped on Envoy's own 431 (request headers past its
     limit, refused by the codec before any filter saw the request): that
     reply then reaches the client instead of waiting on the sidecar while
@@ -553,7 +553,7 @@ def bootstrap(
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"
 
-    ext_proc = _not_on_header_overflow(decision_filter(config))
+    ext_proc = not_on_header_overflow(decision_filter(config))
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",
