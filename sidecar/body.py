@@ -157,7 +157,7 @@ def named_models(path: str, body: bytes, content_type: str) -> list[str]:
             names.append(data["model"])
     elif media == "application/x-www-form-urlencoded":
         names += [v for k, v in parse_qsl(body.decode("latin-1"), keep_blank_values=True) if k == "model"]
-    elif media.startswith("multipart/"):
+    elif media == "multipart/form-data":  # the one multipart type engines read as a form
         field = form_model_field(body, content_type)
         if field is not None:
             names.append(field.value.decode("utf-8", "replace"))

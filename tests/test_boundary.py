@@ -308,3 +308,16 @@ def test_refusals_after_the_arm_are_recorded_as_refusals(stack, clean):
     assert records[rid]["kind"] == "refusal", records[rid]
     assert (records[rid]["experiment_id"], records[rid]["experiment_variant_id"]) == ("pinned-away", "only")
     assert records[ok_id]["kind"] == "routed"
+
+
+def test_two_content_types_cannot_give_the_router_and_the_engine_different_boundaries(stack, clean):
+    """With two Content-Type headers an engine reads the first (boundary A,
+    whose form names qwen) while a parser taking the last would read B:
+    Envoy joins the copies into one value, which the router refuses."""
+    inner = part(b'form-data; name="model"', b"qwen", boundary=b"A") + b"--A--"
+    body = (FIRST + part(b'form-data; name="image"; filename="a.png"', inner) + END)
+    status, headers, out = raw_request(stack.listen, "POST", EDITS, [
+        (b"content-type", b"multipart/form-data; boundary=A"), (b"content-type", MP), auth(NARROW)], body)
+    assert status == 400, (status, out[:300])
+    assert check_error(status, headers, out, "openai")["error"]["code"] == "invalid_multipart"
+    assert engine_requests(stack) == []
