@@ -26,7 +26,9 @@ pytestmark = pytest.mark.integration
 FULL = "sk-boundary-full"
 NARROW = "sk-boundary-narrow"  # may use mistral and chat, not qwen
 PINNED = "sk-boundary-pinned"  # may use pool-b only
+ADMIN = "adm-boundary-token"
 CONFIG = f"""
+server: {{admin_token: {ADMIN}}}
 backends:
   - {{name: pool-a, url: "demo://", models: [open-a, secret-a]}}
   - {{name: pool-b, url: "demo://", models: [mistral, qwen]}}
@@ -225,10 +227,10 @@ def test_refused_paths_are_not_charged_to_a_backend_or_an_arm(stack, clean):
                                    [(b"content-type", b"application/json"), auth(NARROW)], b'{"model": "chat"}')
         assert status == 400
     assert metric(stack, "model_experiment_requests_total", experiment="split") == before
-    backends = httpx.get(f"http://{stack.sidecar_admin[0]}/admin/backends").json()
-    assert backends, backends
-    text = orjson.dumps(backends).decode()
-    assert '"admissible":false' not in text.replace(" ", ""), text
+    r = httpx.get(f"http://{stack.sidecar_admin[0]}/admin/backends", headers={"authorization": f"Bearer {ADMIN}"})
+    backends = r.json()["backends"]
+    pool_b = backends["pool-b"] if isinstance(backends, dict) else next(b for b in backends if b["name"] == "pool-b")
+    assert pool_b["admissible"] is True and not pool_b["held_out_s"], pool_b
 
 
 # ----------------------------------------------------------------------- small ones
