@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -13,7 +12,11 @@ from .errors import Kind
 from .jsonedit import WS, string_end, value_end
 
 MAX_MODEL_NAME = 256
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# orjson reads 1024 levels of nesting but writes only 255, and the router
+# re-encodes parsed bodies (cache keys, rewrites): deeper bodies are refused.
+MAX_JSON_DEPTH = 255
 
 
 class BodyError(Exception):
@@ -26,15 +29,21 @@ class BodyError(Exception):
         super().__init__(message)
 
 
+def has_control(text: str) -> bool:
+    """Whether a name holds a character no model name may (the one rule for
+    request bodies and the config)."""
+    return _CONTROL.search(text) is not None
+
+
 def check_model_name(model: Any) -> str:
     if not isinstance(model, str):
         raise BodyError("missing_model", "The 'model' field must be a string.")
+    if has_control(model):
+        raise BodyError("invalid_model", "The 'model' field must not contain control characters.")
     if not model.strip():
         raise BodyError("missing_model", "The 'model' field must not be empty.")
     if len(model) > MAX_MODEL_NAME:
         raise BodyError("invalid_model", f"The 'model' field is longer than {MAX_MODEL_NAME} characters.")
-    if _CONTROL.search(model):
-        raise BodyError("invalid_model", "The 'model' field must not contain control characters.")
     return model
 
 
@@ -47,6 +56,12 @@ def parse_json(body: bytes) -> dict:
         raise BodyError("invalid_json", "The request body is not valid JSON.", param=None) from None
     if not isinstance(data, dict):
         raise BodyError("invalid_json", "The request body must be a JSON object.", param=None)
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
+        try:
+            orjson.dumps(data)
+        except orjson.JSONEncodeError:
+            raise BodyError("invalid_json", f"The request body nests deeper than {MAX_JSON_DEPTH} levels.",
+                            param=None) from None
     return data
 
 
@@ -124,36 +139,51 @@ def set_top_level(body: bytes, values: dict[str, object], parsed: dict | None = 
 
 
 def named_models(path: str, body: bytes, content_type: str) -> list[str]:
-    """Every model a request outside the ingress table names, read leniently:
-    the ``model`` query parameters, a JSON object's top-level ``model`` and a
-    multipart ``model`` field. What cannot be read names nothing."""
-    q = path.find("?")
-    names = [v for k, v in parse_qsl(path[q + 1:], keep_blank_values=True) if k == "model"] if q >= 0 else []
+    """Every model a request outside the ingress table names: every ``model``
+    query parameter, a JSON object's top-level ``model``, every ``model`` of a
+    urlencoded form and a multipart form's ``model`` field.
+
+    A body an engine could read while the router cannot (JSON that orjson
+    refuses, a form parsers read differently) raises BodyError: what the router
+    cannot read, it cannot judge.
+    """
+    from .formdata import form_model_field
+
+    names = _query_values(path, "model")
+    media = content_type.partition(";")[0].strip().lower()
     if body.lstrip()[:1] == b"{":
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            data = None
-        if isinstance(data, dict) and isinstance(data.get("model"), str):
+        data = parse_json(body)
+        if isinstance(data.get("model"), str):
             names.append(data["model"])
-    elif content_type.lower().startswith("multipart/form-data"):
-        try:
-            f = multipart_fields(body, multipart_boundary(content_type), {"model"}).get("model")
-        except BodyError:
-            f = None
-        if f is not None:
-            names.append(f.value.decode("utf-8", "replace"))
+    elif media == "application/x-www-form-urlencoded":
+        names += [v for k, v in parse_qsl(body.decode("latin-1"), keep_blank_values=True) if k == "model"]
+    elif media == "multipart/form-data":  # the one multipart type engines read as a form
+        field = form_model_field(body, content_type)
+        if field is not None:
+            names.append(field.value.decode("utf-8", "replace"))
     return names
 
 
-def query_model(path: str) -> str | None:
+def named_models_or_error(path: str, body: bytes, content_type: str) -> list[str] | BodyError:
+    """:func:`named_models`, or the BodyError that says why the body cannot be judged."""
+    try:
+        return named_models(path, body, content_type)
+    except BodyError as exc:
+        return exc
+
+
+def _query_values(path: str, key: str) -> list[str]:
     q = path.find("?")
-    if q < 0:
-        return None
-    for k, v in parse_qsl(path[q + 1:], keep_blank_values=True):
-        if k == "model":
-            return v
-    return None
+    return [v for k, v in parse_qsl(path[q + 1:], keep_blank_values=True) if k == key] if q >= 0 else []
+
+
+def query_model(path: str) -> str | None:
+    """The ``model`` query parameter; a second copy is refused, since engines
+    disagree on which one counts (Starlette the last, aiohttp the first)."""
+    values = _query_values(path, "model")
+    if len(values) > 1:
+        raise BodyError("invalid_request", "The 'model' query parameter appears more than once.")
+    return values[0] if values else None
 
 
 def replace_query_model(path: str, model: str) -> str:
@@ -162,76 +192,3 @@ def replace_query_model(path: str, model: str) -> str:
     base, _, query = path.partition("?")
     pairs = [(k, model if k == "model" else v) for k, v in parse_qsl(query, keep_blank_values=True)]
     return base + "?" + urlencode(pairs, quote_via=quote)
-
-
-# ----------------------------------------------------------------------- multipart
-
-_BOUNDARY_RE = re.compile(r'boundary=(?:"([^"]+)"|([^;,\s]+))', re.IGNORECASE)
-_NAME_RE = re.compile(rb'(?:^|;)\s*name="([^"]*)"', re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class FormField:
-    value: bytes
-    start: int  # offset of the value in the body
-    end: int
-
-
-def multipart_boundary(content_type: str) -> bytes:
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise BodyError("invalid_multipart", "Expected a multipart/form-data body.", param=None)
-    m = _BOUNDARY_RE.search(content_type)
-    if not m:
-        raise BodyError("invalid_multipart", "The multipart/form-data content type has no boundary.", param=None)
-    boundary = (m.group(1) or m.group(2)).encode("latin-1")
-    if not 1 <= len(boundary) <= 70:
-        raise BodyError("invalid_multipart", "The multipart boundary must be 1 to 70 characters.", param=None)
-    return boundary
-
-
-def multipart_fields(body: bytes, boundary: bytes, wanted: set[str]) -> dict[str, FormField]:
-    """Locate the named text fields of a multipart/form-data body."""
-    delim = b"--" + boundary
-    pos = body.find(delim)
-    if pos < 0:
-        raise BodyError("invalid_multipart", "The multipart body does not contain its boundary.", param=None)
-    found: dict[str, FormField] = {}
-    while True:
-        pos += len(delim)
-        if body[pos:pos + 2] == b"--":
-            return found
-        if body[pos:pos + 2] != b"\r\n":
-            raise BodyError("invalid_multipart", "The multipart body is malformed.", param=None)
-        head_end = body.find(b"\r\n\r\n", pos + 2)
-        if head_end < 0:
-            raise BodyError("invalid_multipart", "A multipart part has no header terminator.", param=None)
-        headers = body[pos + 2:head_end]
-        start = head_end + 4
-        nxt = body.find(b"\r\n" + delim, start)
-        if nxt < 0:
-            raise BodyError("invalid_multipart", "The multipart body is not terminated.", param=None)
-        for line in headers.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-disposition":
-                m = _NAME_RE.search(value)
-                if m:
-                    field = m.group(1).decode("utf-8", "replace")
-                    if field in wanted and field not in found:
-                        found[field] = FormField(body[start:nxt], start, nxt)
-        pos = nxt + 2
-
-
-def multipart_model(body: bytes, content_type: str) -> tuple[str, FormField]:
-    fields = multipart_fields(body, multipart_boundary(content_type), {"model"})
-    f = fields.get("model")
-    if f is None:
-        raise BodyError("missing_model", "The form has no 'model' field.")
-    try:
-        value = f.value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BodyError("invalid_model", "The 'model' field is not valid UTF-8.") from None
-    return check_model_name(value), f
-
-
-def replace_field(body: bytes, field: FormField, value: str) -> bytes:
-    return body[: field.start] + value.encode() + body[field.end:]

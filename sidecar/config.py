@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from .body import has_control
 from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
 
 # Matched against the whole string (fullmatch): "$" alone would accept a
@@ -84,8 +85,8 @@ def _listen(value: str) -> str:
 def _check_model_name(v: str) -> str:
     if not v or len(v) > 256:
         raise ValueError("model names must be 1..256 characters")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
-        raise ValueError("model names must not contain control characters")
+    if has_control(v):
+        raise ValueError("model names must not contain control characters (C0, DEL, C1, U+2028, U+2029)")
     return v
 
 

@@ -180,6 +180,11 @@ _ATTRIBUTION_KEYS = {
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 
 
+# Anthropic ingresses also return the request id as ``request-id`` (what the
+# Anthropic SDK reads); the OpenAI SDK reads ``x-request-id``, always sent.
+_ANTHROPIC_REQUEST_ID = ("request-id", "x_request_id")
+
+
 def _attribution_headers() -> list[dict]:
     return [
         {
@@ -187,7 +192,7 @@ def _attribution_headers() -> list[dict]:
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             "keep_empty_value": False,
         }
-        for name, key in _ATTRIBUTION_KEYS.items()
+        for name, key in (*_ATTRIBUTION_KEYS.items(), _ANTHROPIC_REQUEST_ID)
     ]
 
 
@@ -489,6 +494,25 @@ def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dic
     )
 
 
+def not_on_header_overflow(http_filter: dict) -> dict:
+    """``http_filter``, skipped on Envoy's own 431 (request headers past its
+    limit, refused by the codec before any filter saw the request): that
+    reply then reaches the client instead of waiting on the sidecar while
+    the codec closes the connection. The decision filter never processes
+    upstream responses (the sidecar turns them off), so nothing else changes."""
+    status = {"name": "status", "typed_config": {
+        "@type": _T + "envoy.type.matcher.v3.HttpResponseHeaderMatchInput", "header_name": ":status"}}
+    return {"name": http_filter["name"], "typed_config": {
+        "@type": _T + "envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+        "extension_config": http_filter,
+        "xds_matcher": {"matcher_list": {"matchers": [{
+            "predicate": {"single_predicate": {"input": status, "value_match": {"exact": "431"}}},
+            "on_match": {"action": {"name": "skip", "typed_config": {
+                "@type": _T + "envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}},
+        }]}},
+    }}
+
+
 def header_guard() -> dict:
     """The early header mutation that strips every client header in the
     router's namespaces (but the ones an operator may send) before any filter
@@ -541,7 +565,7 @@ def bootstrap(
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"
 
-    ext_proc = decision_filter(config)
+    ext_proc = not_on_header_overflow(decision_filter(config))
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",

@@ -12,7 +12,7 @@ from typing import Literal
 import orjson
 
 Kind = Literal[
-    "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
+    "invalid_request", "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
     "method_not_allowed", "too_large", "unsupported_encoding", "headers_too_large", "no_backend", "bad_gateway",
     "gateway_timeout", "internal", "overloaded", "rate_limited", "response_not_found", "previous_response_not_found",
@@ -22,6 +22,7 @@ Kind = Literal[
 # kind -> (status, OpenAI error type, OpenAI code, Anthropic error type).
 # Every kind has a code: clients and dashboards branch on it, never on the message.
 _KINDS: dict[Kind, tuple[int, str, str, str]] = {
+    "invalid_request": (400, "invalid_request_error", "invalid_request", "invalid_request_error"),
     "invalid_json": (400, "invalid_request_error", "invalid_json", "invalid_request_error"),
     "missing_model": (400, "invalid_request_error", "missing_model", "invalid_request_error"),
     "invalid_model": (400, "invalid_request_error", "invalid_model", "invalid_request_error"),

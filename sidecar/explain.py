@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 
 from . import admin_token, errors, listing, routing
-from .body import named_models
-from .ingress import canonical, family_for, lookup
+from .body import named_models_or_error
+from .ingress import canonical, family_for, lookup, path_problem
 from .ingress import listing_path as listing_of
 from .routing.selection import BackendView
 from .routing.trace import Trace
@@ -110,6 +110,11 @@ def _run(
     """The adapter's stages, in the adapter's order."""
     path = canonical(spec.path)
     ingress, family = lookup(path), family_for(path)
+    problem = path_problem(spec.path)
+    if problem is not None:
+        trace.stage("ingress", f"refused: {problem}", path=spec.path)
+        trace.conclude(errors.error("invalid_request", problem, family))
+        return
     trace.stage("ingress", f"{ingress.path} ({family}, {ingress.body} body)" if ingress is not None
                 else "not a model endpoint", path=path, family=family)
     caller = routing.authenticate(snap, headers, family, trace)
@@ -122,8 +127,11 @@ def _run(
             trace.stage("listing", f"{listed}: answered by the sidecar, filtered for the key")
             trace.conclude(listing.answer(snap, listed, spec.method, caller.key))
             return
-        models = named_models(path, spec.body, headers.get("content-type", ""))
-        trace.stage("passthrough", f"names the models {models}" if models else "names no model", models=models)
+        models = named_models_or_error(path, spec.body, headers.get("content-type", ""))
+        if isinstance(models, list):
+            trace.stage("passthrough", f"names the models {models}" if models else "names no model", models=models)
+        else:
+            trace.stage("passthrough", f"refused: {models}")
         trace.conclude(routing.passthrough(snap, path, caller, family, models))
         return
     encoding = headers.get("content-encoding", "identity").strip().lower()

@@ -32,12 +32,12 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from . import errors, explain, listing, metrics, response_ids, routing, websearch
-from .body import named_models
+from .body import named_models_or_error
 from .cache import ResponseCache
 from .errors import Reply
 from .experiments.feedback import Feedback, is_feedback, owner_of
 from .hop_stream import HopStream, is_hop
-from .ingress import canonical, family_for, follow_up, lookup
+from .ingress import canonical, family_for, follow_up, lookup, path_problem
 from .ingress import listing_path as listing_of
 from .response_stream import (
     NAMESPACE,
@@ -97,6 +97,8 @@ def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct |
     """The sidecar's own answer. Its metadata marks it as ours (Envoy's
     local-reply mapping leaves it alone) and carries the decision so far."""
     md = {"reply": "sidecar", "kind": "refusal" if reply.status >= 400 else "answered", **dict(reply.meta), **(meta or {})}
+    for k in [k for k in md if k.startswith("x_rl_")]:
+        del md[k]  # no request-rate filter ran on this answer: it carries no rate headers
     typed = any(k == "content-type" for k, _ in reply.headers)
     resp = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
@@ -141,6 +143,8 @@ class _Stream:
         rid = self.headers.get("x-request-id")
         if rid:
             out["request_id"] = rid
+            if self.family == "anthropic":
+                out["x_request_id"] = rid  # returned as ``request-id``, the header the Anthropic SDK reads
         if self.ingress is not None:
             out["ingress"] = self.ingress.path
         if self.caller is not None and self.caller.key is not None:
@@ -308,8 +312,11 @@ class Processor(pbg.ExternalProcessorServicer):
         st.header_bytes = sum(len(x.key) + len(x.raw_value or x.value) for x in msg.headers.headers)
         st.raw_path = h.get(":path", "/")
         st.path = canonical(st.raw_path)
-        st.ingress = ingress = lookup(st.path)
         st.family = family = family_for(st.path)
+        problem = path_problem(st.raw_path)
+        if problem is not None:
+            return self._refuse(errors.error("invalid_request", problem, family), st)
+        st.ingress = ingress = lookup(st.path)
         if EXPLAIN_HEADER in h and explain.wanted(h, snap.config.server.admin_token):
             st.trace = Trace()
         caller = routing.authenticate(snap, h, family, st.trace)
@@ -354,7 +361,7 @@ class Processor(pbg.ExternalProcessorServicer):
         """A path outside the ingress table, judged on the models it names."""
         if len(body) > st.snap.max_body_bytes:
             return self._refuse(self._too_large(st), st)
-        models = named_models(st.path, body, st.headers.get("content-type", ""))
+        models = named_models_or_error(st.path, body, st.headers.get("content-type", ""))
         route = routing.passthrough(st.snap, st.path, st.caller, st.family, models)
         if isinstance(route, Reply):
             return self._refuse(route, st)

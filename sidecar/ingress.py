@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
 Family = Literal["openai", "anthropic"]
 BodyKind = Literal["json", "multipart", "query"]
@@ -125,6 +125,31 @@ def family_for(path: str) -> Family:
     if row is not None:
         return row.family
     return "anthropic" if path.lower().startswith("/anthropic/") else "openai"
+
+
+def path_problem(path: str) -> str | None:
+    """Why a request path cannot be decided as the engine will read it, or None.
+
+    Engines decode a path's percent-escapes once more before routing, so a
+    path that still holds an escape after the router's decode
+    (``/v1/chat/%2563ompletions``) would name one endpoint to the router and
+    another to the engine; ``%3F``, ``%23``, spaces and control characters
+    would turn path bytes into a query, a fragment or a broken request line.
+    """
+    base = path.partition("?")[0]
+    if "%" not in base and all(0x20 < ord(c) < 0x7F for c in base):
+        return None
+    try:
+        decoded = unquote_to_bytes(base).decode("utf-8")
+    except UnicodeDecodeError:
+        return "The request path has percent-escapes that are not UTF-8."
+    if "%" in decoded:
+        return "The request path still holds percent-escapes after decoding (it is encoded twice)."
+    if "?" in decoded or "#" in decoded:
+        return "The request path encodes '?' or '#'."
+    if any(ord(c) <= 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029" for c in decoded):
+        return "The request path holds spaces or control characters."
+    return None
 
 
 def canonical(path: str) -> str:

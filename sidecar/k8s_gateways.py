@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .envoyconf import REPLY_NAMESPACE, access_log, buffer_limit_bytes, decision_filter, header_guard, json_usage_filter
+from .envoyconf import (
+    REPLY_NAMESPACE,
+    access_log,
+    buffer_limit_bytes,
+    decision_filter,
+    header_guard,
+    json_usage_filter,
+    not_on_header_overflow,
+)
 from .response_stream import RESPONSE_HEADER
 from .snapshot import BACKEND_HEADER
 
@@ -50,7 +58,7 @@ def istio(config: Config, opts: Options, context: str = "GATEWAY") -> list[dict]
         "name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}}}}
     patches: list[dict[str, Any]] = [
         {"applyTo": "HTTP_FILTER", "match": before_router,
-         "patch": {"operation": "INSERT_BEFORE", "value": decision_filter(config, cluster)}},
+         "patch": {"operation": "INSERT_BEFORE", "value": not_on_header_overflow(decision_filter(config, cluster))}},
         {"applyTo": "HTTP_FILTER", "match": before_router,
          "patch": {"operation": "INSERT_BEFORE", "value": json_usage_filter()}},
         {"applyTo": "NETWORK_FILTER", "match": {"context": context, "listener": {"filterChain": {"filter": {"name": HCM}}}},

@@ -36,6 +36,8 @@ log = logging.getLogger("model_router.metering")
 # Kinds of decision that count as requests on an experiment arm (a cache hit
 # too: the arm answered it, from its own entries).
 _COUNTED_KINDS = ("routed", "refusal", "answered", "cache_hit")
+# Kinds whose request the decision sent to a backend.
+_SENT_KINDS = ("routed", "passthrough", "count_tokens", "follow_up")
 # Kinds whose request was served under its decision's suffix and fallback.
 _SERVED_KINDS = ("routed", "answered", "cache_hit")
 
@@ -57,6 +59,9 @@ class Entry:
     cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
     response_id: str | None = None  # a background create's engine id, as its answer gave it
     streamed: int | None = None  # a cut stream: the events it passed on before the cut
+    # Envoy answered itself after the decision, before any upstream was tried
+    # (an invalid header mutation): not the backend's failure nor the arm's.
+    local_reply: bool = False
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
     answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
@@ -81,6 +86,11 @@ def entry_of(log_entry) -> Entry:
     decision = _plain(meta[NAMESPACE]) if NAMESPACE in meta else {}
     usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
     flags = common.response_flags
+    upstream_failed = bool(
+        flags.upstream_connection_failure or flags.upstream_remote_reset
+        or flags.upstream_connection_termination or flags.upstream_request_timeout
+        or flags.upstream_protocol_error or flags.no_healthy_upstream
+    )
     return Entry(
         decision=decision,
         status=log_entry.response.response_code.value,
@@ -89,11 +99,7 @@ def entry_of(log_entry) -> Entry:
         total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
         prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
         completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
-        upstream_failed=bool(
-            flags.upstream_connection_failure or flags.upstream_remote_reset
-            or flags.upstream_connection_termination or flags.upstream_request_timeout
-            or flags.upstream_protocol_error or flags.no_healthy_upstream
-        ),
+        upstream_failed=upstream_failed,
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flags.rate_limited,
         cut=usage.get("cut") is not None,
@@ -102,6 +108,9 @@ def entry_of(log_entry) -> Entry:
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
         answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
+        # No upstream address and no response flag: Envoy answered itself for
+        # a reason none of its flags name (the request, not a backend or Envoy's state).
+        local_reply=not common.HasField("upstream_remote_address") and not flags.ByteSize(),
     )
 
 
@@ -167,6 +176,8 @@ def outcome(entry: Entry) -> int:
 
 
 def status_class(entry: Entry) -> str:
+    if entry.local_reply and entry.status >= 400 and entry.decision.get("kind") in _SENT_KINDS:
+        return "client_error"  # Envoy refused what the client sent, after the decision; no backend ran
     if entry.cut:
         return "server_error"
     # A response cut by its upstream (an engine crash mid-stream) went out as a 200 but failed.
@@ -277,7 +288,7 @@ class Meter:
         d = e.decision
         kind = d.get("kind")
         backend = d.get("backend")
-        if kind in ("routed", "passthrough", "count_tokens", "follow_up") and backend and (e.status >= 500 or e.upstream_failed):
+        if kind in _SENT_KINDS and backend and not e.local_reply and (e.status >= 500 or e.upstream_failed):
             self.report_failure(str(backend), e.status or None)
         suffix = d.get("suffix")
         if suffix and kind in _SERVED_KINDS:

@@ -104,7 +104,7 @@ def describe_exit(code: int) -> str:
 class Stack:
     config_path: Path
     listen: str | None = None  # public address; default: a free loopback port
-    envoy_concurrency: int = 2
+    envoy_concurrency: int | None = None  # Envoy worker threads; default: the config's envoy.concurrency
     workdir: Path | None = None
     demo_urls: dict[str, str] = field(default_factory=dict)
     sidecars: int = 1  # sidecar processes, each a separate endpoint of the ext_proc cluster
@@ -165,6 +165,8 @@ class Stack:
             raise StackError("invalid config:\n  " + "\n  ".join(exc.errors)) from None
         cfg = loaded.config
         self._make_secret(cfg)
+        if self.envoy_concurrency is None:
+            self.envoy_concurrency = cfg.envoy.concurrency
         if self.config_ports:
             from .server import worker_addresses
 

@@ -144,6 +144,9 @@ backends:
 def test_duplicate_backend_and_control_characters():
     errs = errors_of("backends: [{name: a, url: 'http://x'}, {name: a, url: 'http://y', models: [\"bad\\x01\"]}]")
     assert any(e.startswith("backends[1].models") and "control characters" in e for e in errs)
+    for bad in ("bad\\x85", "bad\\u2028", "bad\\u2029"):  # C1 and the Unicode line separators too
+        errs = errors_of(f"backends: [{{name: a, url: 'http://x', models: [\"{bad}\"]}}]")
+        assert any(e.startswith("backends[0].models") and "control characters" in e for e in errs), (bad, errs)
     errs = errors_of("backends: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]")
     assert errs == ["backends[1].name: duplicate backend name 'a'"]
 

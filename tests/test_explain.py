@@ -140,6 +140,9 @@ def test_explained_refusals_name_the_stage(stack):
     assert stage(doc, "parse")["verdict"].startswith("refused") and doc["outcome"]["code"] == "invalid_json"
     doc = admin_explain(stack, {"method": "GET", "path": "/v1/models"}).json()
     assert doc["outcome"]["status"] == 200 and stage(doc, "listing")
+    # A path an engine would decode again is refused before any stage, as the data plane refuses it.
+    doc = admin_explain(stack, {**chat("chat"), "path": "/v1/chat/%2563ompletions"}).json()
+    assert doc["outcome"]["code"] == "invalid_request" and stage(doc, "ingress")["verdict"].startswith("refused")
     # Router headers a client sends never reach the decision, as Envoy drops them.
     doc = admin_explain(stack, chat("base", **{"x-model-router-backend": "e3"})).json()
     assert doc["dropped_headers"] == ["x-model-router-backend"]

@@ -294,10 +294,13 @@ def test_the_istio_envoy_filter_patches_into_a_valid_envoy(tmp_path):
     patched = _hcm(boot)
     names = [f["name"] for f in patched["http_filters"]]
     assert names == [f["name"] for f in own["http_filters"] if f["name"] != "envoy.filters.http.sse_to_metadata"]
-    ext_proc = patched["http_filters"][0]["typed_config"]
+    # The decision filter is wrapped alike (skipped on Envoy's own 431) in both.
+    ext_proc = patched["http_filters"][0]["typed_config"]["extension_config"]["typed_config"]
+    mine = own["http_filters"][0]["typed_config"]
+    assert patched["http_filters"][0]["typed_config"]["xds_matcher"] == mine["xds_matcher"]
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == "outbound|50051||model-router.model-router.svc.cluster.local"
     assert {k: v for k, v in ext_proc.items() if k != "grpc_service"} == {
-        k: v for k, v in own["http_filters"][0]["typed_config"].items() if k != "grpc_service"}
+        k: v for k, v in mine["extension_config"]["typed_config"].items() if k != "grpc_service"}
     assert patched["early_header_mutation_extensions"] == own["early_header_mutation_extensions"]
     _validate(boot, tmp_path)
 

@@ -61,6 +61,8 @@ def template_on_free_ports(tmp_path):
 
 def test_up_serves_the_ab_template_and_stops_cleanly(tmp_path):
     path, cfg = template_on_free_ports(tmp_path)
+    # An Envoy worker count other than the default, to see up honour it.
+    path.write_text(path.read_text().replace("envoy:\n", "envoy:\n  concurrency: 3\n", 1))
     listen = cfg["envoy"]["listen"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "up", "--config", str(path)],
@@ -71,6 +73,8 @@ def test_up_serves_the_ab_template_and_stops_cleanly(tmp_path):
         assert f"http://{listen}" in out and "curl -s" in out
         admin = re.search(r"sidecar metrics:\s+http://(\S+)/metrics", out).group(1)
         assert admin == cfg["server"]["admin_listen"]
+        info = httpx.get(f"http://{cfg['envoy']['admin_listen']}/server_info").json()
+        assert info["command_line_options"]["concurrency"] == 3
         client = openai.OpenAI(base_url=f"http://{listen}/v1", api_key="user-1", max_retries=0)
         r = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
         assert r.model in ("llama-3.1-8b", "qwen3-8b")

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..body import BodyError, FormField, check_model_name, multipart_model, parse_json, query_model
+from ..body import BodyError, check_model_name, parse_json, query_model
 from ..config import ApiKey, Experiment
 from ..errors import Reply
+from ..formdata import FormField, form_model
 from ..ingress import Ingress
 from ..snapshot import Snapshot
 from .selection import BackendView
@@ -97,7 +98,7 @@ def parse(req: Request) -> Parsed:
             raise BodyError("missing_model", "The request body has no 'model' field.")
         return Parsed(check_model_name(data["model"]), json=data)
     if kind == "multipart":
-        model, f = multipart_model(req.body, req.headers.get("content-type", ""))
+        model, f = form_model(req.body, req.headers.get("content-type", ""))
         return Parsed(model, form_field=f)
     named = query_model(req.path)
     if named is None:

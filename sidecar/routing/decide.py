@@ -12,8 +12,9 @@ from typing import Any
 
 from .. import errors
 from ..assignment import is_blank
-from ..body import BodyError, replace_field, replace_query_model, set_top_level
+from ..body import BodyError, replace_query_model, set_top_level
 from ..errors import Reply
+from ..formdata import replace_field
 from ..response_ids import Owner
 from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
 from . import affinity, attempts, limits, selection
@@ -155,8 +156,8 @@ def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] 
 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
-    """A refusal after an arm was chosen still counts on that arm."""
-    return replace(reply, meta=reply.meta + tuple(plan.metadata().items()))
+    """A refusal after an arm was chosen still counts on that arm (and stays a refusal)."""
+    return replace(reply, meta=reply.meta + tuple((k, v) for k, v in plan.metadata().items() if k != "kind"))
 
 
 def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | None]:
