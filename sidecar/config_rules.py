@@ -15,6 +15,7 @@ def check(config: Config) -> tuple[list[str], list[str]]:
     warnings: list[str] = []
     backends = _check_backends(config, errors)
     _check_failure_mode(config, errors)
+    _check_request_timeout(config, errors)
     _check_passthrough(config, backends, errors)
     _check_keys(config, backends, errors)
     _check_names(config, backends, errors)
@@ -46,6 +47,18 @@ def _check_failure_mode(config: Config, errors: list[str]) -> None:
         if guarded:
             errors.append("server.failure_mode: 'open' lets requests past the router when it cannot be reached, "
                           "which this config forbids: " + "; ".join(guarded))
+
+
+def _check_request_timeout(config: Config, errors: list[str]) -> None:
+    """Envoy's request timeout also covers the decision, and the :online loop
+    answers within the decision: the timeout must leave it room."""
+    bound = config.envoy.request_timeout_s
+    if not bound or config.web_search is None or not config.proxy.variant_suffixes.enabled:
+        return
+    loop = config.web_search.deadline_s + 5
+    if bound <= loop:
+        errors.append(f"envoy.request_timeout_s: {bound} s would cut the ':online' loop short "
+                      f"(web_search.deadline_s + 5 = {loop:g} s); raise it or set 0")
 
 
 def _check_passthrough(config: Config, backends: dict[str, Backend], errors: list[str]) -> None:
