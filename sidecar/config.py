@@ -179,6 +179,9 @@ class Backend(_Model):
     metrics_path: str | None = None
     # A hosted commercial API: the router never injects tools into its requests.
     commercial: bool = False
+    # Whether the client's address (x-forwarded-for, x-envoy-external-address)
+    # travels to this backend; None: to http:// backends only, never to https://.
+    forward_client_address: bool | None = None
 
     @field_validator("name")
     @classmethod

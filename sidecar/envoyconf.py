@@ -261,6 +261,9 @@ def _ext_proc(
             "status_on_error": {"code": 503},
             "message_timeout": f"{message_timeout_ms / 1000:.3f}s",
             "allow_mode_override": True,
+            # The sidecar may remove x-envoy-external-address (the client's
+            # address) on its way to a hosted backend.
+            "mutation_rules": {"allow_envoy": True},
             **extra,
             "processing_mode": {
                 **dict(zip(keys, modes)), "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
