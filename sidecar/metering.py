@@ -56,6 +56,7 @@ class Entry:
     rate_limited: bool = False  # Envoy's request-rate filter refused it
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
+    via_upstream: bool = False  # the status came from the backend, not from Envoy itself
 
 
 def _seconds(d) -> float | None:
@@ -92,6 +93,7 @@ def entry_of(log_entry) -> Entry:
         ),
         client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flags.rate_limited,
+        via_upstream=log_entry.response.response_code_details == "via_upstream",
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
     )
@@ -203,7 +205,12 @@ class Meter:
         d = e.decision
         kind = d.get("kind")
         backend = d.get("backend")
-        if kind in ("routed", "passthrough", "count_tokens", "follow_up") and backend and (e.status >= 500 or e.upstream_failed):
+        # Passive health blames a backend for what it did: a failed exchange, or
+        # a 5xx it sent. Envoy's own 5xx after the decision (a header it refused
+        # to set, say) is not the backend's: a client could otherwise hold any
+        # backend out at will.
+        failed = e.upstream_failed or (e.status >= 500 and e.via_upstream)
+        if kind in ("routed", "passthrough", "count_tokens", "follow_up") and backend and failed:
             self.report_failure(str(backend), e.status or None)
         suffix = d.get("suffix")
         if suffix and kind in _SERVED_KINDS:
