@@ -108,7 +108,11 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
         if req.trace is not None:
             req.trace.stage("cache", "not cached: a stored Responses API response", cached=False)
         return
-    plan.cache, verdict = plan_cache(cfg, req, route, data, _sorted(target.allowed))
+    info = snap.experiments.get(route.client_model) if plan.experiment is not None else None
+    sticky = info.config.sticky_key if info is not None else ""
+    plan.cache, verdict = plan_cache(
+        cfg, req, route, data, _sorted(target.allowed), sticky[7:] if sticky.startswith("header:") else None,
+    )
     if req.trace is not None:
         req.trace.stage("cache", verdict, cached=plan.cache is not None)
 
