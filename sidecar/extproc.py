@@ -38,6 +38,7 @@ from .errors import Reply
 from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, follow_up, lookup
 from .ingress import listing_path as listing_of
+from .json_budget import Budget
 from .response_stream import (
     NAMESPACE,
     RESPONSE_HEADER,
@@ -172,6 +173,7 @@ class Processor(pbg.ExternalProcessorServicer):
         self._rand = random.Random(os.urandom(16))
         self.in_flight = 0
         self.cache = ResponseCache()
+        self.json_budget = Budget()
         self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
@@ -208,6 +210,9 @@ class Processor(pbg.ExternalProcessorServicer):
                 elif kind == "request_body":
                     if hop is not None:
                         yield hop.body(req.request_body)
+                        return
+                    if not await self.json_budget.within(req.request_body.body):
+                        yield self._refuse(self._too_complex(st), st)
                         return
                     resp = self._request_body(st, req.request_body)
                     plan = st.route.plan if st.route is not None else None
@@ -331,6 +336,10 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(route, st)
         metrics.DECISIONS.labels("follow_up").inc()
         return self._routed(st, route, phase="headers")
+
+    def _too_complex(self, st: _Stream) -> Reply:
+        return errors.error("invalid_json", f"The request body has more than {self.json_budget.max_members} JSON "
+                            "object members; the router does not read it.", st.family, param=None)
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:

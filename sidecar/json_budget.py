@@ -1,0 +1,82 @@
+"""How much JSON the router reads on its event loop.
+
+Parsing is native (orjson), but building a Python object per member is not
+free: a 30 MiB body of three million small members takes seconds to parse,
+and one worker's event loop would serve nobody meanwhile. So a body's object
+members (at every depth) are bounded before it is parsed, and judged by
+native byte counts wherever they settle it:
+
+- at most ``body.count(b":")`` members (every member has a colon; strings
+  may hold more), so a body under the bound is parsed at once;
+- at least ``count(b'":') - count(b'\\\\":')`` members (a key's closing quote
+  before its colon; inside a string that pair is always escaped), so a body
+  over the bound is refused at once;
+- between the two (colons in text, or keys spaced from their colons) the
+  exact count is made in a separate process, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import orjson
+
+MAX_MEMBERS = 100_000
+_LEADING_WS = re.compile(rb"[ \t\r\n]*")
+
+
+def upper_bound(body: bytes) -> int:
+    return body.count(b":")
+
+
+def lower_bound(body: bytes) -> int:
+    return body.count(b'":') - body.count(b'\\":')
+
+
+def count_members(body: bytes) -> int:
+    """The object members of a JSON text at every depth (0 for text that is
+    not JSON: the decision refuses it as such). Runs in the helper process."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 0
+    total = 0
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            total += len(node)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return total
+
+
+class Budget:
+    """One worker's judge of body sizes, with its helper process started on
+    first need."""
+
+    def __init__(self, max_members: int = MAX_MEMBERS) -> None:
+        self.max_members = max_members
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def within(self, body: bytes) -> bool:
+        """Whether the body has at most ``max_members`` object members."""
+        if body[_LEADING_WS.match(body).end():][:1] not in (b"{", b"["):  # type: ignore[union-attr]
+            return True  # not JSON (a form, say): the JSON parser never sees it
+        if upper_bound(body) <= self.max_members:
+            return True
+        if lower_bound(body) > self.max_members:
+            return False
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        members = await asyncio.get_running_loop().run_in_executor(self._pool, count_members, body)
+        return members <= self.max_members
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
