@@ -3,16 +3,14 @@
 Parsing is native (orjson), but building a Python object per member is not
 free: a 30 MiB body of three million small members takes seconds to parse,
 and one worker's event loop would serve nobody meanwhile. So a body's object
-members (at every depth) are bounded before it is parsed, and judged by
-native byte counts wherever they settle it:
+members (at every depth) are bounded before it is parsed:
 
-- at most ``body.count(b":")`` members (every member has a colon; strings
-  may hold more), so a body under the bound is parsed at once;
-- at least ``count(b'":') - count(b'\\\\":')`` members (a key's closing quote
-  before its colon; inside a string that pair is always escaped), so a body
-  over the bound is refused at once;
-- between the two (colons in text, or keys spaced from their colons) the
-  exact count is made in a separate process, off the event loop.
+- a body up to ``INLINE_BYTES`` with at most ``MAX_MEMBERS`` colons (every
+  member has one; strings may hold more) is parsed at once: a native count
+  of one byte settles it;
+- any other JSON body is counted exactly in a helper process, off the event
+  loop, and refused past ``MAX_MEMBERS``. Only a copy of its bytes crosses
+  over, so a big body costs the loop a few copies, whatever it holds.
 """
 
 from __future__ import annotations
@@ -25,15 +23,12 @@ from concurrent.futures import ProcessPoolExecutor
 import orjson
 
 MAX_MEMBERS = 100_000
+INLINE_BYTES = 1024 * 1024
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
 
 
 def upper_bound(body: bytes) -> int:
     return body.count(b":")
-
-
-def lower_bound(body: bytes) -> int:
-    return body.count(b'":') - body.count(b'\\":')
 
 
 def count_members(body: bytes) -> int:
@@ -65,12 +60,11 @@ class Budget:
 
     async def within(self, body: bytes) -> bool:
         """Whether the body has at most ``max_members`` object members."""
-        if body[_LEADING_WS.match(body).end():][:1] not in (b"{", b"["):  # type: ignore[union-attr]
+        start = _LEADING_WS.match(body).end()  # type: ignore[union-attr]
+        if body[start:start + 1] not in (b"{", b"["):
             return True  # not JSON (a form, say): the JSON parser never sees it
-        if upper_bound(body) <= self.max_members:
+        if len(body) <= INLINE_BYTES and upper_bound(body) <= self.max_members:
             return True
-        if lower_bound(body) > self.max_members:
-            return False
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         members = await asyncio.get_running_loop().run_in_executor(self._pool, count_members, body)

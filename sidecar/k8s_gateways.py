@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .envoyconf import REPLY_NAMESPACE, access_log, buffer_limit_bytes, decision_filter, header_guard, json_usage_filter
+from .envoyconf import (
+    REPLY_NAMESPACE,
+    access_log,
+    body_buffer,
+    buffer_limit_bytes,
+    decision_filter,
+    header_guard,
+    json_usage_filter,
+)
 from .response_stream import RESPONSE_HEADER
 from .snapshot import BACKEND_HEADER
 
@@ -47,6 +55,9 @@ def istio(config: Config, opts: Options, context: str = "GATEWAY") -> list[dict]
     before_router = {"context": context, "listener": {"filterChain": {"filter": {
         "name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}}}}
     patches: list[dict[str, Any]] = [
+        # The body whole before the decision stream opens (slow uploads hold no stream).
+        {"applyTo": "HTTP_FILTER", "match": before_router,
+         "patch": {"operation": "INSERT_BEFORE", "value": body_buffer(config)}},
         {"applyTo": "HTTP_FILTER", "match": before_router,
          "patch": {"operation": "INSERT_BEFORE", "value": decision_filter(config, cluster)}},
         {"applyTo": "HTTP_FILTER", "match": before_router,

@@ -35,8 +35,8 @@ def test_bodies_are_judged_by_their_object_members():
     embedded = b'{"model":"m","x":"' + b'{\\"a\\":1,' * (MAX_MEMBERS + 10) + b'"}'
     assert judge(
         members(100),
-        members(MAX_MEMBERS + 1),  # refused by the native counts alone
-        members(MAX_MEMBERS + 1, spaced=True),  # counted exactly, off the loop
+        members(MAX_MEMBERS + 1),  # counted exactly, off the loop
+        members(MAX_MEMBERS + 1, spaced=True),
         colons,  # colons in text: counted exactly, and within
         embedded,  # keys inside a string are text
         b"--boundary\r\n" + b":" * (MAX_MEMBERS + 1),  # not JSON at all
