@@ -49,7 +49,7 @@ def _routed_replies() -> list[_Reply]:
     model = _ROUTED_MODEL
     return [
         (_status("EQ", 504), "upstream_timeout", "server_error", "api_error",
-         f"The backend serving the model '{model}' did not answer in time.", _NO_RETRY),
+         f"Timeout: the backend serving the model '{model}' did not answer in time.", _NO_RETRY),
         (_status("EQ", 503), "upstream_unavailable", "server_error", "api_error",
          f"The backend serving the model '{model}' could not be reached or closed the connection; retry shortly.",
          _RETRY_SOON),
@@ -64,13 +64,13 @@ def _replies(max_body_bytes: int) -> list[_Reply]:
     """Before (or without) a decision."""
     return [
         (_status("EQ", 504), "upstream_timeout", "server_error", "api_error",
-         "The router did not decide on this request in time.", _NO_RETRY),
+         "Timeout: the router did not decide on this request in time.", _NO_RETRY),
         (_status("EQ", 503), "upstream_unavailable", "server_error", "api_error",
          "The router is unavailable; retry shortly.", _RETRY_SOON),
         (_status("EQ", 413), "request_too_large", "invalid_request_error", "request_too_large",
          f"The request body is larger than the limit of {max_body_bytes} bytes.", []),
         (_status("EQ", 408), "request_timeout", "invalid_request_error", "invalid_request_error",
-         "The request took too long to arrive.", []),
+         "Timeout: the request took too long to arrive.", []),
         (_status("EQ", 431), "request_headers_too_large", "invalid_request_error", "invalid_request_error",
          "The request carries too many or too large headers.", []),
         (_status("EQ", 404), "unknown_endpoint", "invalid_request_error", "not_found_error",

@@ -68,5 +68,5 @@ def test_a_silent_backend_is_a_timeout_named_by_the_model(stack):
     r = exc.value.response
     doc = check_error(r.status_code, r.headers, r.content, "openai")
     assert r.status_code == 504 and doc["error"]["code"] == "upstream_timeout", doc
-    assert doc["error"]["message"] == "The backend serving the model 'slow-model' did not answer in time."
+    assert doc["error"]["message"] == "Timeout: the backend serving the model 'slow-model' did not answer in time."
     assert r.headers["x-should-retry"] == "false"
