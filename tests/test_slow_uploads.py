@@ -14,8 +14,6 @@ import pytest
 from .conftest import envoy_stat, sidecar_metric
 from .test_bad_input import check_error
 
-pytestmark = pytest.mark.integration
-
 SLOW_KEY = "sk-slow-uploader"
 VICTIM_KEY = "sk-other-tenant"
 MAX_IN_FLIGHT = 32
@@ -70,6 +68,7 @@ def stack(stack_factory):
     return stack_factory(CONFIG)
 
 
+@pytest.mark.integration
 def test_slow_uploads_of_one_key_do_not_starve_another(stack):
     """Many more trickling uploads than the sidecar admits streams: another
     key's requests are answered while every one of them is still open, and
@@ -112,6 +111,7 @@ def strict(stack_factory):
     return stack_factory(CONFIG + "envoy: {request_timeout_s: 2}\n")
 
 
+@pytest.mark.integration
 def test_a_request_that_takes_too_long_to_arrive_gets_408(strict):
     """Past ``envoy.request_timeout_s`` Envoy answers a body still trickling in
     with a 408 in the ingress's error shape, and the sidecar never saw it."""
@@ -146,3 +146,19 @@ def _unchunk(data: bytes) -> bytes:
         out += rest[:n]
         data = rest[n + 2:]
     return out
+
+
+def test_a_request_timeout_that_would_cut_the_online_loop_is_refused():
+    """The request timeout covers the decision, and the :online loop answers
+    within it."""
+    from sidecar.config import ConfigError, parse
+
+    online = """
+backends: [{name: a, url: "http://127.0.0.1:1", models: [m]}]
+proxy: {variant_suffixes: {enabled: true}}
+web_search: {enabled: true, url: "http://127.0.0.1:2/search", deadline_s: 60}
+"""
+    with pytest.raises(ConfigError, match=r"envoy\.request_timeout_s: 30 s would cut the ':online' loop short"):
+        parse(online + "envoy: {request_timeout_s: 30}\n", env={})
+    parse(online + "envoy: {request_timeout_s: 66}\n", env={})
+    parse(online + "envoy: {request_timeout_s: 0}\n", env={})
