@@ -8,15 +8,17 @@ members (at every depth) are bounded before it is parsed:
 - a body up to ``INLINE_BYTES`` with at most ``MAX_MEMBERS`` colons (every
   member has one; strings may hold more) is parsed at once: a native count
   of one byte settles it;
-- any other JSON body is counted exactly in a helper process, off the event
-  loop, and refused past ``MAX_MEMBERS``. Only a copy of its bytes crosses
-  over, so a big body costs the loop a few copies, whatever it holds.
+- any other JSON body is counted exactly in a helper process (at the lowest
+  CPU priority), off the event loop, and refused past ``MAX_MEMBERS``. Only a
+  copy of its bytes crosses over, so a big body costs the loop a few copies,
+  whatever it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import re
 from concurrent.futures import ProcessPoolExecutor
 
@@ -66,7 +68,10 @@ class Budget:
         if len(body) <= INLINE_BYTES and upper_bound(body) <= self.max_members:
             return True
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            # At the lowest CPU priority: a count yields the cores to the requests
+            # being served (and so holds back whoever sends such bodies).
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=os.nice, initargs=(19,))
         members = await asyncio.get_running_loop().run_in_executor(self._pool, count_members, body)
         return members <= self.max_members
 
