@@ -276,7 +276,8 @@ def bare_bootstrap(boot: dict, cluster: str) -> dict:
     boot = copy.deepcopy(boot)
     for hcm in _hcms(boot):
         _strip_metering(hcm)
-        hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] != EXT_PROC]
+        # The body buffer exists for the decision: bare Envoy streams bodies through.
+        hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] not in (EXT_PROC, "envoy.filters.http.buffer")]
         for vh in hcm["route_config"]["virtual_hosts"]:
             for r in vh["routes"]:
                 r["route"].pop("cluster_header", None)

@@ -90,37 +90,64 @@ def top_level_spans(body: bytes, keys: set[str]) -> dict[str, list[tuple[int, in
     return spans
 
 
-def _fast_spans(body: bytes, values: dict[str, object], present: bool) -> dict[str, list[tuple[int, int]]] | None:
-    """The common case without a scan: a lone literal ``"key"`` in a body with no
-    ``\\u`` escapes can only be the top-level key (a key spelled with escapes, or
-    another occurrence, sends the body to the full scan)."""
-    if not present or len(values) != 1 or b"\\u" in body:
+_SHORT_VALUE = 4096  # encoded bytes of an old value located by scanning it
+# A \\u escape of an ASCII letter, digit or underscore: the only way to spell
+# a key's characters other than as themselves.
+_KEY_ESCAPE = re.compile(rb"\\u00(?:3[0-9]|[4-7][0-9a-fA-F])")
+# An integer literal past 64 bits, which the parser reads as a float.
+_BIG_INTEGER = re.compile(rb"[0-9]{19}")
+
+
+def _literal_spans(body: bytes, values: dict[str, object], parsed: dict) -> dict[str, list[tuple[int, int]]] | None:
+    """Where the present keys' values are, found with native searches only: a
+    lone literal ``"key"`` in a body where no escape spells a key's characters
+    can only be the top-level key, and a short value ends within a few
+    searches. None when that cannot settle it (a key spelled twice or with
+    escapes, a long value)."""
+    if _KEY_ESCAPE.search(body):
         return None
-    (key,) = values
-    needle = orjson.dumps(key)
-    if body.count(needle) != 1:
-        return None
-    pos = body.index(needle) + len(needle)
-    while pos < len(body) and body[pos] in WS:
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for key in values:
+        if key not in parsed:
+            continue  # inserted first
+        old = parsed[key]
+        if not isinstance(old, (bool, int, float)) and old is not None and len(orjson.dumps(old)) > _SHORT_VALUE:
+            return None
+        needle = orjson.dumps(key)
+        if body.count(needle) != 1:
+            return None
+        pos = body.index(needle) + len(needle)
+        while pos < len(body) and body[pos] in WS:
+            pos += 1
+        if pos >= len(body) or body[pos] != 0x3A:  # not followed by ':' -> not a key
+            return None
         pos += 1
-    if pos >= len(body) or body[pos] != 0x3A:  # not followed by ':' -> not a key
-        return None
-    pos += 1
-    while body[pos] in WS:
-        pos += 1
-    return {key: [(pos, value_end(body, pos))]}
+        while body[pos] in WS:
+            pos += 1
+        spans[key] = [(pos, value_end(body, pos))]
+    return spans
 
 
 def set_top_level(body: bytes, values: dict[str, object], parsed: dict | None = None) -> bytes:
-    """Set top-level keys of a JSON object body, leaving every other byte as it was.
+    """Set top-level keys of a JSON object body.
 
-    Existing keys (every duplicate) get the new value in place; missing keys
-    are inserted first. Numbers, spacing and key order elsewhere are untouched,
-    so nothing the client sent is re-encoded.
+    Usually every other byte stays as it was: existing keys get the new value
+    in place, missing keys are inserted first, so nothing the client sent is
+    re-encoded. When native searches cannot place the edit (a key spelled
+    twice or with escapes, a long or nested old value), the parsed object is
+    encoded again with the new values: the same content as the engine reads it
+    (the last of duplicate keys wins), in bounded native work whatever the
+    body's size, never a scan over every member in Python (but for a body
+    that also carries an integer past 64 bits, which encoding would round).
     """
-    # The shortcut needs to know the key is at the top level (``parsed`` says so).
-    present = parsed is not None and all(k in parsed for k in values)
-    spans = _fast_spans(body, values, present) or top_level_spans(body, set(values))
+    data = parsed if parsed is not None else parse_json(body)
+    spans = _literal_spans(body, values, data)
+    if spans is None and not _BIG_INTEGER.search(body):
+        return orjson.dumps({**data, **values})
+    if spans is None:
+        # Encoding again would round an integer past 64 bits: scan for the key
+        # instead (bounded: the body passed sidecar.json_budget).
+        spans = top_level_spans(body, set(values))
     edits = [(s, e, orjson.dumps(values[k])) for k, lst in spans.items() for s, e in lst]
     missing = [k for k in values if k not in spans]
     if missing:

@@ -185,6 +185,12 @@ class Envoy(_Model):
     idle_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 300
     # The whole exchange, long streams included; 0: no bound beyond the idle timeout.
     upstream_timeout_s: Annotated[int, Field(ge=0, le=86_400)] = 3600
+    # How long a client may take to send its request headers, and its whole
+    # request (headers, body and the decision on it; 0: no bound). Envoy holds a
+    # body until it is complete before the sidecar sees the request, so a slow
+    # upload holds a connection, never a decision stream, and no longer than this.
+    request_headers_timeout_s: Annotated[int, Field(ge=1, le=3600)] = 10
+    request_timeout_s: Annotated[int, Field(ge=0, le=86_400)] = 300
     # Envoy's limits for a request's headers (its own defaults). The sidecar
     # answers 431 when its routing headers would push a request past them.
     max_request_headers: Annotated[int, Field(ge=32, le=1000)] = 100
@@ -217,6 +223,9 @@ class Backend(_Model):
     metrics_path: str | None = None
     # A hosted commercial API: the router never injects tools into its requests.
     commercial: bool = False
+    # Whether the client's address (x-forwarded-for, x-envoy-external-address)
+    # travels to this backend; None: to http:// backends only, never to https://.
+    forward_client_address: bool | None = None
 
     @field_validator("name")
     @classmethod

@@ -15,6 +15,7 @@ def check(config: Config) -> tuple[list[str], list[str]]:
     warnings: list[str] = []
     backends = _check_backends(config, errors)
     _check_failure_mode(config, errors)
+    _check_request_timeout(config, errors)
     _check_passthrough(config, backends, errors)
     _check_keys(config, backends, errors)
     _check_names(config, backends, errors)
@@ -46,6 +47,18 @@ def _check_failure_mode(config: Config, errors: list[str]) -> None:
         if guarded:
             errors.append("server.failure_mode: 'open' lets requests past the router when it cannot be reached, "
                           "which this config forbids: " + "; ".join(guarded))
+
+
+def _check_request_timeout(config: Config, errors: list[str]) -> None:
+    """Envoy's request timeout also covers the decision, and the :online loop
+    answers within the decision: the timeout must leave it room."""
+    bound = config.envoy.request_timeout_s
+    if not bound or config.web_search is None or not config.proxy.variant_suffixes.enabled:
+        return
+    loop = config.web_search.deadline_s + 5
+    if bound <= loop:
+        errors.append(f"envoy.request_timeout_s: {bound} s would cut the ':online' loop short "
+                      f"(web_search.deadline_s + 5 = {loop:g} s); raise it or set 0")
 
 
 def _check_passthrough(config: Config, backends: dict[str, Backend], errors: list[str]) -> None:
@@ -188,6 +201,7 @@ def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> Non
     if config.redis is None and config.server.workers > 1 and any(lim.tokens for lim in config.limits):
         warnings.append(f"limits: each of the {config.server.workers} workers counts token budgets on its own "
                         "without a redis: section, so a budget can be spent up to once per worker")
+    aliases = {a: m.id for m in config.model_metadata for a in m.aliases}
     seen: dict[tuple[str, str | None], int] = {}
     for i, lim in enumerate(config.limits):
         p = f"limits[{i}]"
@@ -200,6 +214,10 @@ def _check_limits(config: Config, errors: list[str], warnings: list[str]) -> Non
             errors.append(f"{p}.shared: a shared request rate is counted in Redis; add a redis: section")
         if lim.key_id is not None and lim.key_id not in key_ids:
             errors.append(f"{p}.key_id: unknown key id '{lim.key_id}' (no api_keys entry has it)")
+        canonical = aliases.get(lim.model)
+        if canonical is not None:
+            errors.append(f"{p}.model: '{lim.model}' is a model_metadata alias of '{canonical}'; limits count "
+                          f"every name of a model against its id, so name '{canonical}'")
         if all_declared and lim.model not in models:
             warnings.append(f"{p}.model: '{lim.model}' is not a model any backend, experiment or alias names")
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from . import envoy_fallback, envoy_limits, grpc_auth, snapshot
+from . import envoy_fallback, envoy_limits, envoy_replies, grpc_auth, snapshot
 from .config import RESERVED_BACKEND_NAME, Config, Server
 from .response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
 from .snapshot import (
@@ -97,74 +97,12 @@ def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
     return cluster
 
 
-# Envoy's own refusals (sidecar unreachable or too slow, body over the buffer
-# limit, no upstream, timeouts) get a JSON body in the ingress's error shape.
-# The sidecar's immediate responses carry the dynamic metadata below and are
-# already JSON: the first mapper matches them and leaves them untouched.
-REPLY_NAMESPACE = "model_router"
+# The decision's metadata namespace (Envoy's own replies: sidecar.envoy_replies).
+REPLY_NAMESPACE = envoy_replies.NAMESPACE
 # How often Envoy asks each sidecar endpoint whether it serves; a draining
 # worker waits a little longer than this before it stops taking streams.
 HEALTH_INTERVAL_S = 1
 HEALTH_FAILURES = 2  # answers missed or NOT_SERVING before Envoy stops sending streams
-
-
-def _status(op: str, code: int) -> dict:
-    return {"status_code_filter": {"comparison": {
-        "op": op, "value": {"default_value": code, "runtime_key": f"model_router.local_reply_status_{op.lower()}"},
-    }}}
-
-
-_ANTHROPIC_ERROR = {"type": "error", "error": {"type": "api_error", "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"}}
-
-
-def _openai_error(code: str, kind: str) -> dict:
-    return {"error": {
-        "message": "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "type": kind, "param": None, "code": code,
-    }}
-
-
-# Envoy's own replies by status: the OpenAI error code, and headers. The OpenAI
-# and Anthropic SDKs retry a 504 unless told not to: a timeout the router
-# produced would only run the same long request again upstream.
-_NO_RETRY = [{"header": {"key": "x-should-retry", "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
-# A 503 of Envoy's own (sidecar or upstream unreachable or full) passes soon.
-_RETRY_SOON = [{"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
-_ENVOY_REPLIES = (
-    (_status("EQ", 504), "upstream_timeout", "server_error", _NO_RETRY),
-    (_status("EQ", 503), "upstream_unavailable", "server_error", _RETRY_SOON),
-    (_status("EQ", 413), "request_too_large", "invalid_request_error", []),
-    (_status("GE", 400), "proxy_error", "server_error", []),
-)
-
-
-def _local_reply_config() -> dict:
-    """Envoy's own error replies as JSON in the request's API family. The
-    sidecar's replies (marked ``reply``) are left as they are."""
-    ours = {
-        "metadata_filter": {
-            "matcher": {"filter": REPLY_NAMESPACE, "path": [{"key": "reply"}], "value": {"present_match": True}},
-            "match_if_key_not_found": False,
-        }
-    }
-    # The decision's family once the sidecar has decided (it may have rewritten
-    # /anthropic/v1/messages to the backend's /v1/messages); the path before that.
-    anthropic = {"or_filter": {"filters": [
-        {"metadata_filter": {
-            "matcher": {"filter": REPLY_NAMESPACE, "path": [{"key": "family"}],
-                        "value": {"string_match": {"exact": "anthropic"}}},
-            "match_if_key_not_found": False,
-        }},
-        {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
-    ]}}
-    mappers: list[dict] = [{"filter": ours}, *envoy_limits.reply_mappers(anthropic)]
-    for status, code, kind, headers in _ENVOY_REPLIES:
-        for family, body in ((anthropic, _ANTHROPIC_ERROR), (None, _openai_error(code, kind))):
-            mappers.append({
-                "filter": {"and_filter": {"filters": [status, family]}} if family else status,
-                **({"headers_to_add": headers} if headers else {}),
-                "body_format_override": {"json_format": body, "content_type": "application/json"},
-            })
-    return {"mappers": mappers}
 
 
 # The decision's metadata keys that become response headers.
@@ -328,6 +266,9 @@ def _ext_proc(
             "status_on_error": {"code": 503},
             "message_timeout": f"{message_timeout_ms / 1000:.3f}s",
             "allow_mode_override": True,
+            # The sidecar may remove x-envoy-external-address (the client's
+            # address) on its way to a hosted backend.
+            "mutation_rules": {"allow_envoy": True},
             **extra,
             "processing_mode": {
                 **dict(zip(keys, modes)), "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
@@ -513,6 +454,20 @@ def not_on_header_overflow(http_filter: dict) -> dict:
     }}
 
 
+def body_buffer(config: Config) -> dict:
+    """Envoy holds each request body until it is complete (up to
+    ``max_body_bytes``; past it Envoy answers 413) before the decision filter
+    opens its stream: a slow upload holds a connection, never one of the
+    sidecar's streams. A body bigger than the limit never reaches the sidecar."""
+    return {
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": config.server.max_body_bytes,
+        },
+    }
+
+
 def header_guard() -> dict:
     """The early header mutation that strips every client header in the
     router's namespaces (but the ones an operator may send) before any filter
@@ -565,7 +520,23 @@ def bootstrap(
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"
 
-    ext_proc = not_on_header_overflow(decision_filter(config))
+    filters = [
+        body_buffer(config),  # first: the sidecar sees a request only once it is whole
+        not_on_header_overflow(decision_filter(config)),
+        # Request rates, on the descriptor the decision names (none: no filter).
+        *envoy_limits.filters(config),
+        # Token usage into metadata, read from the upstream's bytes (the
+        # encode path meets these before ext_proc).
+        json_usage_filter(),
+        _sse_usage_filter(),
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
+                "upstream_http_filters": _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
+            },
+        },
+    ]
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",
@@ -577,7 +548,9 @@ def bootstrap(
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "early_header_mutation_extensions": [header_guard()],
-        "upgrade_configs": [{"upgrade_type": "websocket"}],
+        # An upgraded stream has no end to wait for: its chain is the same
+        # without the body buffer.
+        "upgrade_configs": [{"upgrade_type": "websocket", "filters": filters[1:]}],
         # The id Envoy gives each request names its usage record; the client
         # gets it back to quote.
         "always_set_request_id_in_response": True,
@@ -586,7 +559,9 @@ def bootstrap(
         "common_http_protocol_options": {"max_headers_count": config.envoy.max_request_headers},
         "max_request_headers_kb": config.envoy.max_request_headers_kb,
         "stream_idle_timeout": f"{config.envoy.idle_timeout_s}s",
-        "request_timeout": "0s",
+        # How long a client may take to send its request (408 past it).
+        "request_headers_timeout": f"{config.envoy.request_headers_timeout_s}s",
+        "request_timeout": f"{config.envoy.request_timeout_s}s",
         "route_config": {
             "name": "model_router",
             "request_headers_to_remove": [
@@ -609,24 +584,9 @@ def bootstrap(
                 }
             ],
         },
-        "http_filters": [
-            ext_proc,
-            # Request rates, on the descriptor the decision names (none: no filter).
-            *envoy_limits.filters(config),
-            # Token usage into metadata, read from the upstream's bytes (the
-            # encode path meets these before ext_proc).
-            json_usage_filter(),
-            _sse_usage_filter(),
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
-                    "upstream_http_filters": _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
-                },
-            },
-        ],
+        "http_filters": filters,
         "access_log": [access_log(config.metering.flush_interval_ms)],
-        "local_reply_config": _local_reply_config(),
+        "local_reply_config": envoy_replies.local_reply_config(server.max_body_bytes),
     }
     clusters = [
         {

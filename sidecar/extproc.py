@@ -39,6 +39,7 @@ from .experiments.feedback import Feedback, is_feedback, owner_of
 from .hop_stream import HopStream, is_hop
 from .ingress import canonical, family_for, follow_up, lookup, path_problem
 from .ingress import listing_path as listing_of
+from .json_budget import Budget
 from .response_stream import (
     NAMESPACE,
     RESPONSE_HEADER,
@@ -196,6 +197,7 @@ class Processor(pbg.ExternalProcessorServicer):
         self.in_flight = 0
         self.cache = ResponseCache()
         self.feedback = Feedback()
+        self.json_budget = Budget()
         self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
@@ -233,6 +235,9 @@ class Processor(pbg.ExternalProcessorServicer):
                 elif kind == "request_body":
                     if hop is not None:
                         yield hop.body(req.request_body)
+                        return
+                    if not await self.json_budget.within(req.request_body.body):
+                        yield self._refuse(self._too_complex(st), st)
                         return
                     if st.ingress is None and not st.passthrough and is_feedback(st.path):
                         yield await self._feedback(st, req.request_body.body)
@@ -375,6 +380,10 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._refuse(route, st)
         metrics.DECISIONS.labels("follow_up").inc()
         return self._routed(st, route, phase="headers")
+
+    def _too_complex(self, st: _Stream) -> Reply:
+        return errors.error("invalid_json", f"The request body has more than {self.json_budget.max_members} JSON "
+                            "object members; the router does not read it.", st.family, param=None)
 
     @staticmethod
     def _too_large(st: _Stream) -> Reply:

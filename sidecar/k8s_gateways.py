@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .envoyconf import (
     REPLY_NAMESPACE,
     access_log,
+    body_buffer,
     buffer_limit_bytes,
     decision_filter,
     header_guard,
@@ -57,6 +58,9 @@ def istio(config: Config, opts: Options, context: str = "GATEWAY") -> list[dict]
     before_router = {"context": context, "listener": {"filterChain": {"filter": {
         "name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}}}}
     patches: list[dict[str, Any]] = [
+        # The body whole before the decision stream opens (slow uploads hold no stream).
+        {"applyTo": "HTTP_FILTER", "match": before_router,
+         "patch": {"operation": "INSERT_BEFORE", "value": body_buffer(config)}},
         {"applyTo": "HTTP_FILTER", "match": before_router,
          "patch": {"operation": "INSERT_BEFORE", "value": not_on_header_overflow(decision_filter(config, cluster))}},
         {"applyTo": "HTTP_FILTER", "match": before_router,

@@ -65,6 +65,7 @@ class Entry:
     traceparent: str | None = None  # the client's W3C trace context headers, as sent
     tracestate: str | None = None
     answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
+    via_upstream: bool = False  # the status came from the backend, not from Envoy itself
 
 
 def _seconds(d) -> float | None:
@@ -105,6 +106,7 @@ def entry_of(log_entry) -> Entry:
         cut=usage.get("cut") is not None,
         response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
         streamed=_tokens(usage, "streamed"),
+        via_upstream=log_entry.response.response_code_details == "via_upstream",
         traceparent=log_entry.request.request_headers.get("traceparent"),
         tracestate=log_entry.request.request_headers.get("tracestate"),
         answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
@@ -288,7 +290,12 @@ class Meter:
         d = e.decision
         kind = d.get("kind")
         backend = d.get("backend")
-        if kind in _SENT_KINDS and backend and not e.local_reply and (e.status >= 500 or e.upstream_failed):
+        # Passive health blames a backend for what it did: a failed exchange, or
+        # a 5xx it sent. Envoy's own 5xx after the decision (a header it refused
+        # to set, say) is not the backend's: a client could otherwise hold any
+        # backend out at will.
+        failed = e.upstream_failed or (e.status >= 500 and e.via_upstream)
+        if kind in _SENT_KINDS and backend and not e.local_reply and failed:
             self.report_failure(str(backend), e.status or None)
         suffix = d.get("suffix")
         if suffix and kind in _SERVED_KINDS:

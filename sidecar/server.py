@@ -504,6 +504,7 @@ async def serve_async(
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await tracer.close()
+    processor.json_budget.close()
     await runtime.monitor.stop()
     await runtime.budgets.stop(time.time())
     await runtime.close()

@@ -186,3 +186,28 @@ def test_a_request_that_may_move_to_another_hop_is_not_cached():
     no_attempts = snapshot.build(parse((CONFIG % "{}") + "fallback_chains: {other: [m]}\nfallback_attempts: 0\n",
                                        env={}).config)
     assert plan(no_attempts, {"model": "other", "messages": MSG}) is not None
+
+
+def test_the_key_covers_the_query_and_the_headers_an_engine_reads(snap):
+    body = {"model": "m", "messages": MSG}
+    base = key(snap, body)
+    assert key(snap, body, path="/v1/chat/completions?api-version=2024-10-21") != base
+    for name, value in (("anthropic-version", "2023-06-01"), ("anthropic-beta", "tools-2024"),
+                        ("openai-beta", "assistants=v2"), ("x-engine-knob", "1")):
+        assert key(snap, body, headers={name: value}) != base, name
+    # Transport, tracing and SDK telemetry change no answer: clients differing in them share entries.
+    neutral = {"user-agent": "OpenAI/Python 1.99", "x-stainless-retry-count": "1", "traceparent": "00-ab-cd-01",
+               "x-request-id": "r1", "accept-encoding": "gzip", "x-forwarded-for": "203.0.113.7",
+               "content-type": "application/json"}
+    assert key(snap, body, headers=neutral) == base
+
+
+def test_a_shared_entry_is_never_replaced_by_one_callers_no_cache():
+    """With scope shared, no-cache reads through and stores nothing: one
+    tenant cannot set the answer the others get."""
+    shared = snap_of("{scope: shared}")
+    body = {"model": "m", "messages": MSG}
+    assert plan(shared, body, headers={"cache-control": "no-cache"}) is None
+    assert plan(shared, body) is not None
+    keyed = plan(snap_of(), body, headers={"cache-control": "no-cache"})  # scope key: the caller's own entry
+    assert keyed is not None and not keyed.read

@@ -68,7 +68,9 @@ def test_backend_base_path_and_credentials(snap):
     assert r.set_headers == (("authorization", "Bearer sk-b"),)
     r = decide(snap, req("/anthropic/v1/messages", {"model": "claude"}, snap=snap))
     assert r.path == "/v1/messages"
-    assert r.set_headers == (("x-api-key", "sk-c"),) and r.remove_headers == ("authorization",)
+    assert r.set_headers == (("x-api-key", "sk-c"),)
+    # A hosted (https) backend never gets the client's address.
+    assert r.remove_headers == ("authorization", "x-forwarded-for", "x-envoy-external-address")
 
 
 def test_experiment_rewrites_model_and_plans_response(snap):

@@ -71,7 +71,7 @@ def test_the_decision_names_the_next_hop_and_skips_a_reserved_one(snap):
     assert r.cluster == "fallback1~a~b"
     md = r.metadata()
     assert orjson.loads(md["retry"]) == {"hops": [["b", "m-b"]], "origin": "m-a", "path": "/v1/chat/completions",
-                                         "drop_effort": False}
+                                         "drop_effort": False, "limits": [[""]]}
     assert md["auth_replaced"] is True
 
 
@@ -88,6 +88,44 @@ def test_a_hop_without_an_admissible_backend_is_skipped(snap):
     assert [(h.upstream_model, h.backend) for h in r.hops] == [("m-b", "c")]
     r = route(snap, "m-a", {"b": BackendState("b", healthy=False), "c": BackendState("c", healthy=False)})
     assert r.hops == () and r.cluster == "a"
+
+
+KEYED = """
+backends:
+  - {name: a, url: "http://127.0.0.1:1", models: [m-a]}
+  - {name: b, url: "http://127.0.0.1:2", models: [m-b]}
+  - {name: c, url: "http://127.0.0.1:3", models: [m-c]}
+fallback_chains:
+  m-a: [m-b, m-c]
+api_keys:
+  - {key: k-all, id: all}
+  - {key: k-narrow, id: narrow, allowed_models: [m-a, m-c]}
+limits:
+  - {model: m-c, key_id: narrow, tokens: 1000}
+  - {model: m-a, tokens: 5000}
+"""
+
+
+def test_a_hop_outside_allowed_models_is_skipped_and_a_hop_is_charged_to_its_own_budget():
+    snap = snapshot.build(parse(KEYED, env={}).config)
+    body = orjson.dumps({"model": "m-a", "messages": []})
+
+    def keyed(key: str):
+        return decide(snap, Request(
+            ingress=lookup("/v1/chat/completions"), path="/v1/chat/completions", headers={}, body=body,
+            caller=Caller(key, snap.keys[key]), states={},
+        ))
+
+    assert [h.upstream_model for h in keyed("k-all").hops] == ["m-b"]
+    r = keyed("k-narrow")  # may not use m-b: its hop is m-c, charged to m-c's budget for the key
+    assert [(h.upstream_model, h.backend) for h in r.hops] == [("m-c", "c")]
+    md = r.metadata()
+    assert md["budgets"] == "*/m-a"  # the first attempt: the origin's budget
+    hop = retarget(snap, md, 2, body)
+    assert hop is not None
+    (rule,) = snap.limits["m-c"]
+    assert hop.meta["limit_model"] == "m-c" and hop.meta["budgets"] == rule.id
+    assert retarget(snap, keyed("k-all").metadata(), 2, body).meta["budgets"] == ""  # m-b: no budget
 
 
 def test_every_cluster_a_decision_names_is_in_the_bootstrap(snap):

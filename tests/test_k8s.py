@@ -294,10 +294,10 @@ def test_the_istio_envoy_filter_patches_into_a_valid_envoy(tmp_path):
     patched = _hcm(boot)
     names = [f["name"] for f in patched["http_filters"]]
     assert names == [f["name"] for f in own["http_filters"] if f["name"] != "envoy.filters.http.sse_to_metadata"]
-    # The decision filter is wrapped alike (skipped on Envoy's own 431) in both.
-    ext_proc = patched["http_filters"][0]["typed_config"]["extension_config"]["typed_config"]
-    mine = own["http_filters"][0]["typed_config"]
-    assert patched["http_filters"][0]["typed_config"]["xds_matcher"] == mine["xds_matcher"]
+    # The decision filter (after the body buffer) is wrapped alike (skipped on Envoy's own 431) in both.
+    ext_proc = patched["http_filters"][1]["typed_config"]["extension_config"]["typed_config"]
+    mine = own["http_filters"][1]["typed_config"]
+    assert patched["http_filters"][1]["typed_config"]["xds_matcher"] == mine["xds_matcher"]
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == "outbound|50051||model-router.model-router.svc.cluster.local"
     assert {k: v for k, v in ext_proc.items() if k != "grpc_service"} == {
         k: v for k, v in mine["extension_config"]["typed_config"].items() if k != "grpc_service"}
@@ -307,7 +307,7 @@ def test_the_istio_envoy_filter_patches_into_a_valid_envoy(tmp_path):
 
 def test_a_misspelt_patch_field_fails_envoy_validation(tmp_path):
     (envoy_filter,) = _docs("istio.yaml")
-    envoy_filter["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["mesage_timeout"] = "1s"
+    envoy_filter["spec"]["configPatches"][1]["patch"]["value"]["typed_config"]["mesage_timeout"] = "1s"
     boot = _base()
     _add_cluster(boot, k8s_gateways.istio_cluster(k8s.Options()))
     _apply_envoy_filter(boot, envoy_filter)

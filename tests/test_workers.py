@@ -173,22 +173,25 @@ def test_recycling_under_load_fails_no_request(tmp_path):
         stack.close()
 
 
-def _slow_upload(addr: str) -> tuple[socket.socket, bytes]:
-    """Headers and part of a body, then silence: an ext_proc stream held open.
-    Returns the socket and the rest of the body."""
+def _held_stream(addr: str) -> socket.socket:
+    """A streamed answer whose events come 30 s apart: its response stream (the
+    model is rewritten) stays open on the sidecar. Envoy buffers request bodies
+    before the decision, so a slow upload would hold no stream."""
     host, _, port = addr.rpartition(":")
-    s = socket.create_connection((host, int(port)))
-    body = b'{"model": "chat", "messages": [{"role": "user", "content": "slow"}]}'
+    s = socket.create_connection((host, int(port)), timeout=30)
+    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "slow"}]}'
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"authorization: Bearer slow\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:10])
-    return s, body[10:]
+              b"authorization: Bearer slow\r\nx-demo-events: 3\r\nx-demo-interval-ms: 30000\r\n"
+              b"content-length: %d\r\n\r\n" % len(body) + body)
+    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    return s
 
 
 def test_overload_is_refused_at_once_with_retry_after(tmp_path):
     stack = supervised_stack(tmp_path, workers=1, in_flight=2)
-    held = []
+    held: list[socket.socket] = []
     try:
-        held = [_slow_upload(stack.listen) for _ in range(2)]
+        held = [_held_stream(stack.listen) for _ in range(2)]
         deadline = time.monotonic() + 10
         while worker_metric(stack, 0, "model_router_in_flight_streams") < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -201,16 +204,18 @@ def test_overload_is_refused_at_once_with_retry_after(tmp_path):
                        json={"model": "chat", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
         assert a.status_code == 503 and a.json()["error"]["type"] == "overloaded_error"
         assert worker_metric(stack, 0, "model_router_shed_total") == 2
-        # The held requests were admitted: finishing their bodies gets them served.
-        for s, rest in held:
-            s.sendall(rest)
-            s.settimeout(10)
-            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        # Once the held streams end, requests are served again.
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 30
+        while worker_metric(stack, 0, "model_router_in_flight_streams") > 0:
+            assert time.monotonic() < deadline, "the held streams never ended"
+            time.sleep(0.05)
         ok = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
                         json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200
     finally:
-        for s, _ in held:
+        for s in held:
             s.close()
         stack.close()
 

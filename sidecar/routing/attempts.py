@@ -36,6 +36,10 @@ class Hop:
     model: str
     upstream_model: str
     backend: str
+    # What the hop is charged to: its model's limits (the limited model, "" for
+    # none, and its token budgets' rule ids).
+    limit_model: str = ""
+    budgets: tuple[str, ...] = ()
 
 
 def member_cluster(backend: str) -> str:

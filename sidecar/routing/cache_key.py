@@ -14,7 +14,13 @@ The key is a digest of what decides the answer and who may read it:
 - the request body as the backend gets it, in a canonical form: keys sorted,
   whitespace gone, and without the fields that do not change the answer (the
   model, which the route stands for, ``stream: false``, and identifiers the
-  answer does not echo).
+  answer does not echo);
+- the query string, as sent (``?api-version=`` chooses an API version);
+- every request header the backend gets but those known not to change an
+  answer (credentials, transport, tracing, SDK telemetry, request ids, the
+  router's own): engines read ``anthropic-version``, ``anthropic-beta``,
+  ``openai-beta`` and headers of their own, and a header an engine reads is a
+  header two callers must agree on before one may have the other's answer.
 
 A suffix changes the key only through the route it resolves to (``:thinking``
 adds a field the backend sees); ``:online`` and streamed requests are never
@@ -48,6 +54,28 @@ _IGNORED: Mapping[str, frozenset[str]] = {
 }
 
 
+# Request headers that never change an answer: left out of the key so that
+# clients differing only in them share entries.
+_NEUTRAL_HEADERS = frozenset({
+    ":authority", ":method", ":path", ":scheme", "host", "authorization", "x-api-key", "content-length",
+    "content-type", "accept", "accept-encoding", "accept-language", "connection", "keep-alive", "te", "via",
+    "user-agent", "origin", "referer", "cookie", "forwarded", "priority", "cache-control", "pragma",
+    "x-request-id", "x-client-request-id", "idempotency-key", "x-real-ip", "traceparent", "tracestate", "baggage",
+    "openai-organization", "openai-project", "x-data-parallel-rank",
+})
+_NEUTRAL_PREFIXES = ("x-forwarded-", "x-envoy-", "x-b3-", "b3", "sec-", "x-stainless-", "x-model-router-",
+                     "x-continuum-")
+
+
+def answer_headers(headers: Mapping[str, str], sticky: str | None = None) -> list[tuple[str, str]]:
+    """The request headers that may change the answer, sorted. ``sticky``: the
+    experiment's sticky header, which chose the arm (already in the key)."""
+    return sorted(
+        (k, v) for k, v in headers.items()
+        if k not in _NEUTRAL_HEADERS and not k.startswith(_NEUTRAL_PREFIXES) and k != sticky
+    )
+
+
 def directives(headers: Mapping[str, str]) -> frozenset[str]:
     """The request's ``cache-control`` directives, lower case."""
     value = headers.get("cache-control", "")
@@ -76,19 +104,24 @@ def scope(cfg: Cache, req: Request) -> str:
 
 
 def canonical_body(path: str, data: Mapping[str, Any]) -> bytes:
-    ignored = _IGNORED.get(path, frozenset({"model"}))
-    kept = {k: v for k, v in data.items() if k not in ignored and not (k == "stream" and v is False)}
+    # A copy and a few removals, not a walk over every member: the work stays native.
+    kept = dict(data)
+    for k in _IGNORED.get(path, frozenset({"model"})):
+        kept.pop(k, None)
+    if kept.get("stream") is False:
+        del kept["stream"]
     return orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
 
 
 def key_of(
     cfg: Cache, req: Request, route: Route, data: Mapping[str, Any], backends: list[str] | None,
+    sticky: str | None = None,
 ) -> str:
     plan = route.plan
     material = orjson.dumps([
         req.ingress.path, route.upstream_model, backends,
         plan.experiment if plan is not None else None, plan.variant if plan is not None else None,
-        scope(cfg, req),
+        scope(cfg, req), req.path.partition("?")[2], answer_headers(req.headers, sticky),
     ])
     h = hashlib.sha256(VERSION + b"\x00" + material + b"\x00")
     h.update(canonical_body(req.ingress.path, data))
@@ -97,11 +130,13 @@ def key_of(
 
 def plan_cache(
     cfg: Cache | None, req: Request, route: Route, data: Mapping[str, Any] | None, backends: list[str] | None,
+    sticky: str | None = None,
 ) -> tuple[CachePlan | None, str]:
     """The cache plan for a routed request, or None, and why (for the trace).
 
     ``data`` is the JSON body as the backend gets it; ``backends`` the sorted
-    backends the request may use (None: any that serves the model)."""
+    backends the request may use (None: any that serves the model); ``sticky``
+    the experiment's sticky header, if it has one."""
     if cfg is None:
         return None, "no cache section"
     plan = route.plan
@@ -120,6 +155,9 @@ def plan_cache(
     if "no-store" in wanted:
         return None, "the client sent cache-control: no-store"
     read = "no-cache" not in wanted
-    key = key_of(cfg, req, route, data, backends)
+    if not read and cfg.scope == "shared":
+        # A shared entry is everyone's answer: one caller's no-cache must not rewrite it.
+        return None, "the client sent cache-control: no-cache (a shared entry is neither read nor replaced)"
+    key = key_of(cfg, req, route, data, backends, sticky)
     verdict = "lookup, then store a miss" if read else "store only: the client sent cache-control: no-cache"
     return CachePlan(key, read, cfg.ttl_s, cfg.max_entry_bytes), verdict

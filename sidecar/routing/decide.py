@@ -65,7 +65,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         return limited
     plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens", estimate=cost,
                         background=req.ingress.response_ids and (parsed.json or {}).get("background") is True)
-    target = _experiment(snap, req, parsed, client_model, requested, plan)
+    target = _experiment(snap, req, parsed, client_model, plan)
     if isinstance(target, Reply):
         return _attributed(target, plan)
     if continues is not None:
@@ -76,6 +76,11 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if isinstance(chosen, Reply):
         return _attributed(chosen, plan)
     upstream, backend, edits, hops = chosen
+    if plan.fallback is not None:
+        # A hop serves the request: its model's limits apply, not the origin's.
+        limited = _limits(snap, req, plan.fallback.served)
+        if isinstance(limited, Reply):
+            return _attributed(limited, plan)
     if continues is not None:
         edits["previous_response_id"] = continues[1]
     route = _build(snap, req, parsed, client_model, plan, upstream, backend, edits)
@@ -118,21 +123,27 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
         if req.trace is not None:
             req.trace.stage("cache", "not cached: a stored Responses API response", cached=False)
         return
-    plan.cache, verdict = plan_cache(cfg, req, route, data, _sorted(target.allowed))
+    info = snap.experiments.get(route.client_model) if plan.experiment is not None else None
+    sticky = info.config.sticky_key if info is not None else ""
+    plan.cache, verdict = plan_cache(
+        cfg, req, route, data, _sorted(target.allowed), sticky[7:] if sticky.startswith("header:") else None,
+    )
     if req.trace is not None:
         req.trace.stage("cache", verdict, cached=plan.cache is not None)
 
 
 def _limits(snap: Snapshot, req: Request, client_model: str, cost: int) -> limits.LimitPlan | Reply | None:
-    """The limits on the client-facing model (for an experiment, every arm's):
-    the descriptor for Envoy's request rates, and the token budgets' verdict."""
+    """The limits on the client-facing model's canonical id (a metadata alias
+    counts as its model; for an experiment, every arm's): the descriptor for
+    Envoy's request rates, and the token budgets' verdict."""
     key_id = req.caller.key.id if req.caller.key is not None else None
-    rules = limits.applicable(snap, client_model, key_id)
+    model = snap.resolve(client_model)[0]
+    rules = limits.applicable(snap, model, key_id)
     if not rules:
         if req.trace is not None and snap.limits:
-            req.trace.stage("limits", f"none: no limit names '{client_model}'")
+            req.trace.stage("limits", f"none: no limit names '{model}'")
         return None
-    verdict = limits.plan(rules, client_model, key_id, req.spent, req.now, cost)
+    verdict = limits.plan(rules, model, key_id, req.spent, req.now, cost)
     if req.trace is not None:
         req.trace.stage(
             "limits", f"refused: the token budget {verdict.rule.id} is spent" if isinstance(verdict, limits.BudgetState)
@@ -176,8 +187,8 @@ def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | Non
 
 
 def _key_gate(req: Request, client_model: str, sent: str) -> Reply | None:
-    """The per-key model gate judges the client-facing (base) name; a refusal
-    names the model as sent, never what a model_aliases entry hides behind it."""
+    """The per-key model gate judges the client-facing (base) name; its
+    refusal names the model as sent (never what an alias stands for)."""
     key = req.caller.key
     allowed = key.allowed_models if key is not None else None
     refused = allowed is not None and client_model not in allowed
@@ -201,7 +212,7 @@ def _reservation(snap: Snapshot, req: Request, client_model: str, sent: str) -> 
 
 
 def _experiment(
-    snap: Snapshot, req: Request, parsed: Parsed, client_model: str, requested: str, plan: ResponsePlan,
+    snap: Snapshot, req: Request, parsed: Parsed, client_model: str, plan: ResponsePlan,
 ) -> _Target | Reply:
     """The experiment picks an arm; its pin narrows the key's backend allow-list."""
     key = req.caller.key
@@ -236,7 +247,7 @@ def _experiment(
     if req.trace is not None:  # the experiment stage _traced_arm recorded
         req.trace.stages[-1].update(pin=variant.backends, backends=_sorted(allowed), fallback=exp.fallback)
     if variant.backends is not None and not allowed:
-        return errors.model_not_permitted(requested, req.ingress.family)
+        return errors.model_not_permitted(parsed.model, req.ingress.family)
     return _Target(variant.model, allowed, may_fall_back=exp.fallback == "cross_variant")
 
 
@@ -296,15 +307,16 @@ def _select(
     if not candidates and target.continues is not None:
         # The response it continues is held where this model (or this caller) cannot go.
         return errors.previous_response_not_found(_previous_id(parsed))
+    sent = parsed.model  # what refusals name: never what an alias stands for
     if not candidates:
         if any(not snap.backends[n].internal for n in snap.resolve(target.model)[1]):
-            return errors.model_not_permitted(requested, family)
-        return errors.model_not_found(requested, family)
+            return errors.model_not_permitted(sent, family)
+        return errors.model_not_found(sent, family)
     suffix = SUFFIXES[word] if word is not None else None
     data = parsed.json or {}
     edits: Edits = {}
     if suffix is not None:
-        checked = _suffix_checks(snap, model, candidates, suffix, data, requested, word or "", family, rec)
+        checked = _suffix_checks(snap, model, candidates, suffix, data, sent, word or "", family, rec)
         if isinstance(checked, Reply):
             return checked
         candidates, edits = checked
@@ -316,7 +328,7 @@ def _select(
     )
     online = suffix is not None and suffix.online
     may_fall_back = target.may_fall_back and not online
-    chain = fallback_hops(snap, target.model, model) if may_fall_back else []
+    chain = [h for h in fallback_hops(snap, target.model, model) if _permitted(req, h)] if may_fall_back else []
     if first is not None:
         plan.suffix_applied = first.ranked or ranker is None
         plan.drop_effort = "reasoning_effort" in edits
@@ -332,7 +344,7 @@ def _select(
     elif trace is not None:
         trace.stage("fallback", "not tried: :online requests do not fall back" if online
                     else "not tried: the experiment's fallback is within_variant")
-    return errors.error("no_backend", f"No healthy backend can serve the model '{requested}' right now.", family)
+    return errors.error("no_backend", f"No healthy backend can serve the model '{sent}' right now.", family)
 
 
 def _fall_back(
@@ -383,13 +395,29 @@ def _retry_hops(
         if len(out) == snap.config.fallback_attempts:
             break
         chosen = _hop_selection(snap, ctx, target, hop, parsed.json, None, attempts.hop_backends(snap, hop))
-        if chosen is not None:
-            out.append(Hop(hop, chosen[0], chosen[1].name))
+        charged = _hop_limits(snap, req, chosen[0]) if chosen is not None else None
+        if chosen is not None and charged is not None:
+            out.append(Hop(hop, chosen[0], chosen[1].name, *charged))
     if req.trace is not None and out:
         req.trace.stage("retry_hops", "on an upstream failure: " + ", ".join(
             f"'{h.upstream_model}' on {h.backend}" for h in out),
             hops=[{"model": h.upstream_model, "backend": h.backend} for h in out])
     return tuple(out)
+
+
+def _permitted(req: Request, model: str) -> bool:
+    """A hop the key may use: one its allowed_models names (the key gate's rule)."""
+    key = req.caller.key
+    return key is None or key.allowed_models is None or model in key.allowed_models
+
+
+def _hop_limits(snap: Snapshot, req: Request, model: str) -> tuple[str, tuple[str, ...]] | None:
+    """What a hop after a failed attempt is charged to: (its limited model or
+    "", its token budgets), or None when one of them is spent (the hop is skipped)."""
+    limited = _limits(snap, req, model)
+    if isinstance(limited, Reply):
+        return None
+    return ("", ()) if limited is None else (limited.model, limited.budgets)
 
 
 def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:

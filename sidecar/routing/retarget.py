@@ -18,6 +18,7 @@ import orjson
 
 from ..body import BodyError, parse_json, set_top_level
 from ..snapshot import Snapshot
+from .limits import BUDGET_SEPARATOR
 from .route import Meta, upstream_auth
 
 REASON = "upstream_error"  # the previous attempt failed: connect failure, reset, 5xx or 429
@@ -52,6 +53,15 @@ def hop_for(plan: Mapping[str, Any], attempt: int) -> tuple[str, str] | None:
     return None
 
 
+def _charged_to(plan: Mapping[str, Any], attempt: int) -> Meta:
+    """The hop's limits replace the origin's: its tokens go to its own budgets."""
+    charged = plan.get("limits")
+    entry = charged[attempt - 2] if isinstance(charged, list) and attempt - 2 < len(charged) else None
+    if not isinstance(entry, list) or not entry or not all(isinstance(x, str) for x in entry):
+        return {"limit_model": "", "budgets": ""}
+    return {"limit_model": entry[0], "budgets": BUDGET_SEPARATOR.join(entry[1:])}
+
+
 def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: bytes) -> Retarget | None:
     """The hop's request, or None when this attempt cannot be retargeted (no
     hop for it, a backend this config does not have, a body that is not a
@@ -75,13 +85,14 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
         new_body = set_top_level(body, {"model": upstream}, data)
     sets, removes = upstream_auth(snap, backend)
     if not sets and decision.get("auth_replaced"):
-        removes = _CREDENTIALS  # an earlier attempt's backend key never travels on
+        removes = _CREDENTIALS + removes  # an earlier attempt's backend key never travels on
     meta: Meta = {
         "backend": backend_name, "upstream_model": upstream,
         "fallback_from": origin, "fallback_to": upstream, "fallback_reason": REASON,
         # The served model is named unless it is a hidden arm's; "" removes the header.
         "x_fallback_model": upstream if upstream not in snap.reserved else "",
     }
+    meta.update(_charged_to(plan, attempt))
     if sets:
         meta["auth_replaced"] = True
     if decision.get("suffix"):

@@ -144,6 +144,7 @@ class Route:
             plan = self.plan
             m["retry"] = orjson.dumps({
                 "hops": [[h.backend, h.upstream_model] for h in self.hops], "origin": plan.chain_origin,
+                "limits": [[h.limit_model, *h.budgets] for h in self.hops],
                 "path": plan.hop_path or "/", "drop_effort": plan.drop_effort,
             }).decode()
             if self.backend.api_key:
@@ -153,12 +154,19 @@ class Route:
         return m
 
 
+# The client's address as Envoy reports it to upstreams.
+CLIENT_ADDRESS_HEADERS = ("x-forwarded-for", "x-envoy-external-address")
+
+
 def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Credentials toward the backend; a router key never travels upstream."""
+    """Credentials toward the backend (a router key never travels upstream),
+    and the client's address removed where it must not go."""
+    forward = backend.config.forward_client_address
+    hidden = CLIENT_ADDRESS_HEADERS if not (backend.tls is False if forward is None else forward) else ()
     if backend.api_key:
         if backend.family == "anthropic":
-            return (("x-api-key", backend.api_key),), ("authorization",)
-        return (("authorization", f"Bearer {backend.api_key}"),), ("x-api-key",)
+            return (("x-api-key", backend.api_key),), ("authorization", *hidden)
+        return (("authorization", f"Bearer {backend.api_key}"),), ("x-api-key", *hidden)
     if snap.keys is not None:
-        return (), ("authorization", "x-api-key")
-    return (), ()
+        return (), ("authorization", "x-api-key", *hidden)
+    return (), hidden
