@@ -1,5 +1,6 @@
-"""Server binaries the tests start (Redis, Prometheus), the tools they run
-(docker-compose renders the compose file without a daemon), and their installer.
+"""Server binaries the tests start (Redis, Prometheus; nginx and wrk for the
+benchmark harness), the tools they run (docker-compose renders the compose
+file without a daemon), and their installer.
 
 ``python -m tests.servers`` installs whichever of them is missing from Debian's
 packages; the README's test command runs it before pytest so a fresh machine
@@ -21,11 +22,12 @@ from sidecar.stack import free_port
 
 # binary -> the Debian package that ships it
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
-            "docker-compose": "docker-compose"}
+            "docker-compose": "docker-compose", "nginx": "nginx-light", "wrk": "wrk"}
 
 
 def missing() -> dict[str, str]:
-    return {b: pkg for b, pkg in BINARIES.items() if shutil.which(b) is None}
+    # nginx lands in /usr/sbin, which an unprivileged PATH may not hold.
+    return {b: pkg for b, pkg in BINARIES.items() if shutil.which(b) is None and not Path("/usr/sbin", b).exists()}
 
 
 def install() -> int:
