@@ -354,7 +354,7 @@ class Processor(pbg.ExternalProcessorServicer):
             route = errors.error("internal", "The router could not process this request.", st.family)
         if isinstance(route, Reply):
             return self._refuse(route, st)
-        metrics.DECISIONS.labels("routed").inc()
+        metrics.DECISIONS_OF("routed").inc()
         return self._routed(st, route, phase)
 
     def _routed(self, st: _Stream, route: routing.Route, phase: str) -> pb.ProcessingResponse:

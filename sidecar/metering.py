@@ -215,19 +215,19 @@ class Meter:
         if not experiment or not variant:
             return
         if kind in _COUNTED_KINDS:
-            metrics.EXPERIMENT_REQUESTS.labels(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
+            metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:
-                metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
+                metrics.EXPERIMENT_DURATION_OF(experiment, variant).observe(duration)
         if kind == "cache_hit":
             metrics.EXPERIMENT_CACHE_HITS.labels(experiment, variant).inc()
             return  # no model ran: no tokens
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
         if e.prompt_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "prompt").inc(e.prompt_tokens)
+            metrics.EXPERIMENT_TOKENS_OF(experiment, variant, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens:
-            metrics.EXPERIMENT_TOKENS.labels(experiment, variant, "completion").inc(e.completion_tokens)
+            metrics.EXPERIMENT_TOKENS_OF(experiment, variant, "completion").inc(e.completion_tokens)
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
