@@ -20,11 +20,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 
 import orjson
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
@@ -32,6 +30,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from . import errors, explain, listing, metrics, routing, websearch
+from .answer_parts import AnswerParts, header_mutation
 from .body import named_models
 from .cache import ResponseCache
 from .errors import Reply
@@ -53,7 +52,6 @@ from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
 
 log = logging.getLogger("model_router.extproc")
 
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 _P = pm.ProcessingMode
@@ -76,17 +74,6 @@ def _struct(namespaces: dict) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.update(namespaces)
     return md
-
-
-def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:
-    m = pb.HeaderMutation()
-    for k, v in set_headers:
-        opt = m.set_headers.add()
-        opt.header.key = k
-        opt.header.raw_value = v.encode("utf-8")
-        opt.append_action = _OVERWRITE
-    m.remove_headers.extend(remove)
-    return m
 
 
 def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
@@ -143,6 +130,9 @@ class _Stream:
         return out
 
 
+# A route's header mutation: (set on every request of the route, removed, this request's own).
+_Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, str]]]
+
 _SILENT = object()  # no message within the silence limit
 
 
@@ -172,6 +162,7 @@ class Processor(pbg.ExternalProcessorServicer):
         self._rand = random.Random(os.urandom(16))
         self.in_flight = 0
         self.cache = ResponseCache()
+        self.parts = AnswerParts()
         self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
@@ -361,19 +352,12 @@ class Processor(pbg.ExternalProcessorServicer):
         """The answer that sends a request on: header and body mutations, and
         the decision as dynamic metadata."""
         self._canonical_path(st, route)
-        common = self._route_common(st, route)
-        if isinstance(common, Reply):
-            return self._refuse(common, st)
+        headers = self._route_headers(st, route)
+        if isinstance(headers, Reply):
+            return self._refuse(headers, st)
         st.route = route
-        if route.body is not None:
-            common.body_mutation.body = route.body
-        md = _struct({NAMESPACE: {**route.metadata(), **st.meta(), **self._explained(st, route)}})
-        if phase == "headers":
-            return pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=common), mode_override=_MODE_NOTHING_MORE,
-                dynamic_metadata=md,
-            )
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
+        md = {**route.metadata(), **st.meta(), **self._explained(st, route)}
+        return self.parts.routed(phase, _MODE_NOTHING_MORE, NAMESPACE, md, *headers, route.body)
 
     async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         route = st.route
@@ -427,26 +411,28 @@ class Processor(pbg.ExternalProcessorServicer):
         if route.path is None and st.raw_path != st.path:
             route.path = st.path
 
-    def _route_common(self, st: _Stream, route: routing.Route) -> pb.CommonResponse | Reply:
-        """The request-header mutation that carries a route, or a 431 when it
-        would take the request past Envoy's header limits (Envoy would answer
-        that mutation with a 503 that blames the server)."""
-        sets = [(BACKEND_HEADER, route.cluster), *route.set_headers]
+    def _route_headers(self, st: _Stream, route: routing.Route) -> _Headers | Reply:
+        """The request-header mutation that carries a route (the headers every
+        request of this route gets, the ones removed, the request's own), or a
+        431 when it would take the request past Envoy's header limits (Envoy
+        would answer that mutation with a 503 that blames the server)."""
+        shared = ((BACKEND_HEADER, route.cluster), *route.set_headers)
         if route.limits is not None:
-            sets += route.limits.headers  # the descriptor Envoy's rate-limit filter reads
-        if route.path is not None:
-            sets.append((":path", route.path))
-        if route.body is not None:
-            sets.append(("content-length", str(len(route.body))))
+            shared += route.limits.headers  # the descriptor Envoy's rate-limit filter reads
         plan = route.plan
         if plan is not None and (plan.read_usage or plan.needs_response):
             # The response body must be readable to rewrite it or count its tokens.
-            sets.append(("accept-encoding", "identity"))
+            shared += (("accept-encoding", "identity"),)
         if plan is not None and plan.needs_response:
-            sets.append((RESPONSE_HEADER, "rewrite"))  # selects the route whose upstream filter rewrites
+            shared += ((RESPONSE_HEADER, "rewrite"),)  # selects the route whose upstream filter rewrites
+        own = []
+        if route.path is not None:
+            own.append((":path", route.path))
+        if route.body is not None:
+            own.append(("content-length", str(len(route.body))))
         limits = st.snap.config.envoy
         count, size = st.header_count, st.header_bytes
-        for k, v in sets:
+        for k, v in (*shared, *own):
             old = st.headers.get(k)
             count += old is None
             size += len(k) + len(v) if old is None else len(v) - len(old)
@@ -460,7 +446,7 @@ class Processor(pbg.ExternalProcessorServicer):
         remove = route.remove_headers
         if any(name in st.headers for name in CLIENT_ROUTER_HEADERS):
             remove += tuple(name for name in CLIENT_ROUTER_HEADERS if name in st.headers)  # never upstream
-        return pb.CommonResponse(header_mutation=header_mutation(sets, remove), clear_route_cache=True)
+        return shared, remove, own
 
     @staticmethod
     def _explained(st: _Stream, result: routing.Route | Reply) -> dict:
