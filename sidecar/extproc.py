@@ -133,6 +133,21 @@ class _Stream:
 # A route's header mutation: (set on every request of the route, removed, this request's own).
 _Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, str]]]
 
+def _read_headers(st: _Stream, msg: pb.HttpHeaders) -> dict[str, str]:
+    """The request headers as a dict (as ``header_map`` reads them), counting
+    them and their bytes for the header limits in the same pass."""
+    out: dict[str, str] = {}
+    size = 0
+    entries = msg.headers.headers
+    for x in entries:
+        key, raw = x.key, x.raw_value
+        value = raw.decode("latin-1") if raw else x.value
+        out[key] = value
+        size += len(key) + len(value)
+    st.header_count, st.header_bytes = len(entries), size
+    return out
+
+
 _SILENT = object()  # no message within the silence limit
 
 
@@ -259,13 +274,11 @@ class Processor(pbg.ExternalProcessorServicer):
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.
         st.snap = snap = self.runtime.snapshot
-        st.headers = h = header_map(msg)
-        st.header_count = len(msg.headers.headers)
-        st.header_bytes = sum(len(x.key) + len(x.raw_value or x.value) for x in msg.headers.headers)
+        st.headers = h = _read_headers(st, msg)
         st.raw_path = h.get(":path", "/")
         st.path = canonical(st.raw_path)
         st.ingress = ingress = lookup(st.path)
-        st.family = family = family_for(st.path)
+        st.family = family = ingress.family if ingress is not None else family_for(st.path)
         if EXPLAIN_HEADER in h and explain.wanted(h, snap.config.server.admin_token):
             st.trace = Trace()
         caller = routing.authenticate(snap, h, family, st.trace)
