@@ -77,6 +77,8 @@ def entry_of(log_entry) -> Entry:
     decision = _plain(meta[NAMESPACE]) if NAMESPACE in meta else {}
     usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
     flags = common.response_flags
+    flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
+    headers = log_entry.request.request_headers
     return Entry(
         decision=decision,
         status=log_entry.response.response_code.value,
@@ -85,21 +87,23 @@ def entry_of(log_entry) -> Entry:
         total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
         prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
         completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
-        upstream_failed=bool(
+        upstream_failed=flagged and bool(
             flags.upstream_connection_failure or flags.upstream_remote_reset
             or flags.upstream_connection_termination or flags.upstream_request_timeout
             or flags.upstream_protocol_error or flags.no_healthy_upstream
         ),
-        client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
-        rate_limited=flags.rate_limited,
-        traceparent=log_entry.request.request_headers.get("traceparent"),
-        tracestate=log_entry.request.request_headers.get("tracestate"),
+        client_gone=flagged and bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+        rate_limited=flagged and flags.rate_limited,
+        traceparent=headers.get("traceparent") if headers else None,
+        tracestate=headers.get("tracestate") if headers else None,
     )
 
 
 def _plain(struct) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for k, v in struct.fields.items():
+    fields = struct.fields
+    for k in fields:  # (items() goes through the Mapping mixin, in Python)
+        v = fields[k]
         which = v.WhichOneof("kind")
         out[k] = v.string_value if which == "string_value" else v.bool_value if which == "bool_value" else (
             v.number_value if which == "number_value" else None
