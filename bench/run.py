@@ -1166,14 +1166,13 @@ def main() -> int:
     info = machine()
     print("decision cost: bench/decision.py ...", file=sys.stderr, flush=True)
     decision = start_decision(args.quick)
-    if not args.quick:
-        runner.decision = decision_result(decision)
-
     tmp = tempfile.TemporaryDirectory(prefix="model-router-bench-")
     workdir = Path(tmp.name)
     procs = Procs(workdir)
     stacks: list[Stack] = []
     try:
+        if not args.quick:
+            runner.decision = decision_result(decision)
         t = start_targets(args, procs, workdir, stacks)
         if args.quick:
             runner.decision = decision_result(decision)
