@@ -63,6 +63,9 @@ _MODE_BODY_NEXT = _P(
     request_header_mode=_P.SEND, request_body_mode=_P.BUFFERED, response_header_mode=_P.SKIP,
     response_body_mode=_P.NONE, request_trailer_mode=_P.SKIP, response_trailer_mode=_P.SKIP,
 )
+# The answer that asks for the body, the same for every request: built once,
+# never changed (grpc.aio only serializes what it is given).
+_BODY_NEXT = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
 # Decided at request headers: nothing more to see.
 _MODE_NOTHING_MORE = _P(
     request_header_mode=_P.SEND, request_body_mode=_P.NONE, response_header_mode=_P.SKIP,
@@ -306,11 +309,11 @@ class Processor(pbg.ExternalProcessorServicer):
             early = routing.passthrough(snap, st.path, caller, family, [])
             if isinstance(early, Reply):
                 return self._refuse(early, st)
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
+            return _BODY_NEXT
         if ingress.body == "query" or msg.end_of_stream:
             # No body will follow: decide now.
             return self._decide(st, b"", phase="headers")
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
+        return _BODY_NEXT
 
     def _request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if st.passthrough:
