@@ -11,8 +11,10 @@ uvloop, two gRPC messages per request.
   (``x-model-router-backend: <backend>``), the body with its top-level
   ``model`` replaced, the new ``content-length`` and ``clear_route_cache``.
 
-Any other phase Envoy sends is answered with an empty response. SIGINT or
-SIGTERM stops the server.
+Any other phase Envoy sends is answered with an empty response. The server
+also answers ``grpc.health.v1`` (SERVING), as the sidecar does: the bootstrap
+the benchmark shares with the router health-checks every ext_proc endpoint.
+SIGINT or SIGTERM stops the server.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 BACKEND_HEADER = "x-model-router-backend"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -83,9 +86,12 @@ async def serve(listen: str, backend: str, model: str) -> None:
     """Serve on ``listen`` until SIGINT or SIGTERM."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.http2.max_pings_without_data", 0)])
     pbg.add_ExternalProcessorServicer_to_server(MinimalProcessor(backend, model), server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     if server.add_insecure_port(listen) == 0:
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()
+    await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"minimal ext_proc ready on {listen}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,7 +1,7 @@
 """End-to-end benchmark: model-router behind the real Envoy, against bare Envoy and a trivial ext_proc.
 
     .venv/bin/python bench/run.py            # full run: 10 s per case after warm-up, about 13 minutes
-    .venv/bin/python bench/run.py --quick    # smoke test: 3 s per case, about 4 minutes
+    .venv/bin/python bench/run.py --quick    # harness check: every stack, a few requests each (under a minute)
 
 The full run first waits (up to 10 minutes) for a 1-minute load average below
 0.7, and before each measurement waits while processes outside the run use
@@ -55,6 +55,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,7 @@ TARGETS = {
     "stream_client": 0.75,
 }
 EXT_PROC = "envoy.filters.http.ext_proc"
-COUNT_REQUESTS = 500  # sequential requests per configuration for the exact message count
+COUNT_REQUESTS = 500  # sequential requests per configuration for the exact message count (quick: 20)
 FLUSH_SETTLE_S = 1.2  # > metering.flush_interval_ms (default 1000)
 RESPONSE_FILTER = getattr(envoyconf, "RESPONSE_FILTER", "envoy.filters.http.ext_proc/response")
 METERING_FILTERS = {"envoy.filters.http.json_to_metadata", "envoy.filters.http.sse_to_metadata"}
@@ -630,10 +631,12 @@ class Runner:
     def __init__(self, args) -> None:
         self.args = args
         self.quick = args.quick
-        self.seconds = args.duration or (3 if args.quick else 10)
-        self.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-        self.ttft_count = 30 if args.quick else 100
-        self.rounds = max(args.rounds, 2)
+        self.seconds = args.duration or (1 if args.quick else 10)
+        self.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
+        self.ttft_count = 3 if args.quick else 100
+        self.ttft_warmup = 1 if args.quick else 5
+        self.count_requests = 20 if args.quick else COUNT_REQUESTS
+        self.rounds = 1 if args.quick else max(args.rounds, 2)
         self.results: dict[tuple[str, str], list[dict]] = {}
         self.notes: list[str] = []
         self.started = time.monotonic()
@@ -664,12 +667,13 @@ class Runner:
             before = Sample(t)
             r = run_wrk(t.listen, case.connections, self.seconds, cfg.model, case.stream, cfg.usage)
         elif case.kind == "openloop":
-            time.sleep(FLUSH_SETTLE_S)  # the previous window's last access-log flush lands before this one
+            if not self.quick:
+                time.sleep(FLUSH_SETTLE_S)  # the previous window's last access-log flush lands before this one
             before = Sample(t)
             r = run_openloop(t.listen, case.rate, self.seconds, self.warmup, cfg.model)
         else:
             before = Sample(t)
-            r = run_ttft(t.listen, self.ttft_count, 3 if self.quick else 5, cfg.model,
+            r = run_ttft(t.listen, self.ttft_count, self.ttft_warmup, cfg.model,
                          max_seconds=4 * self.seconds + 20, usage=cfg.usage)
         r.update(before.delta(r.get("requests_all", r["requests"])))
         gen = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -755,12 +759,21 @@ def wait_quiet(limit_s: float) -> dict:
     return {"load_before": load0, "load_at_start": load, "waited_s": time.monotonic() - start, "quiet": load < 0.7}
 
 
-def run_decision() -> dict:
+def start_decision(quick: bool) -> subprocess.Popen:
+    """``bench/decision.py`` in the background (quick: beside the stacks' start, where its
+    figures do not matter; a full run waits for it before starting anything)."""
+    return subprocess.Popen([sys.executable, str(BENCH / "decision.py"), *(["--quick"] if quick else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def decision_result(proc: subprocess.Popen) -> dict:
     try:
-        out = subprocess.run([sys.executable, str(BENCH / "decision.py")], capture_output=True, text=True,
-                             timeout=180, cwd=ROOT)
+        stdout, stderr = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"error": "bench/decision.py timed out"}
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     rows = {}
     for line in out.stdout.splitlines():
         m = re.match(r"^(.*?)\s{2,}([0-9.]+)\s*$", line)
@@ -932,7 +945,7 @@ class Table:
         one = ["router1"] if r.args.one_process else []
         self.rate_rows("c32", "req/s, 32 connections", "bare",
                        ["minimal", "router", "router-noexp", "router-nolog", *one], "req/s")
-        self.msgs_rows("count", f"ext_proc messages/request, {COUNT_REQUESTS} sequential requests",
+        self.msgs_rows("count", f"ext_proc messages/request, {r.count_requests} sequential requests",
                        ["minimal", "router", "router-noexp", "router-nolog", *one], "router")
         self.latency_rows("c32", "p99, 32 connections", "bare", ["minimal", "router", "router-noexp", "router-nolog", *one],
                           "p99_us")
@@ -1008,13 +1021,27 @@ def start_trivial(procs: Procs, workdir: Path, cfg, stack: Stack, backend: str, 
 
 
 def start_targets(args, procs: Procs, workdir: Path, stacks: list[Stack]) -> dict[str, Target]:
-    """Every process of the run; the Envoy listeners keyed by configuration."""
+    """Every process of the run; the Envoy listeners keyed by configuration.
+    Pieces that do not depend on each other start side by side."""
     nginx = start_nginx(procs, workdir)
     cfg_path = workdir / "router.yaml"
     cfg_path.write_text(router_config(f"http://{nginx}"))
     cfg = config_mod.load(cfg_path).config
     print("starting: nginx, model-router stack (2 sidecars), bare Envoy, trivial ext_proc", file=sys.stderr, flush=True)
-    stack, sp = start_router_stack(cfg_path, workdir, 2, stacks)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        one = pool.submit(start_router_stack, cfg_path, workdir, 1, stacks) if args.one_process else None
+        stack, sp = start_router_stack(cfg_path, workdir, 2, stacks)
+        t = _start_beside(pool, procs, workdir, cfg, stack, sp)
+        if one is not None:
+            stack1, sp1 = one.result()
+            t["router1"] = Target("router1", LABELS["router1"], stack1.listen, stack1.envoy_admin, sp1["envoy"],
+                                  [sp1["sidecar-0"]], procs.items["nginx"].pid, list(stack1.sidecar_admin))
+    return t
+
+
+def _start_beside(pool: ThreadPoolExecutor, procs: Procs, workdir: Path, cfg, stack: Stack,
+                  sp: dict[str, int]) -> dict[str, Target]:
+    """The Envoys that share the 2-process stack's sidecars or upstreams, and the trivial processors."""
     nginx_pid = procs.items["nginx"].pid
     engine_pid = sp[f"demo-{ENGINE_BACKEND}"]
     sidecars = [sp["sidecar-0"], sp["sidecar-1"]]
@@ -1026,21 +1053,22 @@ def start_targets(args, procs: Procs, workdir: Path, stacks: list[Stack]) -> dic
     }
     boot = envoyconf.bootstrap(cfg, sidecar_addresses=stack.sidecar_grpc, backend_urls=stack.demo_urls,
                                listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
-    listen, admin, pid = start_envoy(procs, workdir, "envoy-nolog", no_access_log_bootstrap(boot))
+    nolog = pool.submit(start_envoy, procs, workdir, "envoy-nolog", no_access_log_bootstrap(boot))
+    bare = pool.submit(start_envoy, procs, workdir, "envoy-bare", bare_bootstrap(boot, NGINX_BACKEND))
+    bare_sse = pool.submit(start_envoy, procs, workdir, "envoy-bare-sse", bare_bootstrap(boot, ENGINE_BACKEND))
+    minimal = pool.submit(start_trivial, procs, workdir, cfg, stack, NGINX_BACKEND, "llama-3.1-8b")
+    minimal_sse = pool.submit(start_trivial, procs, workdir, cfg, stack, ENGINE_BACKEND, "llama-s")
+    listen, admin, pid = nolog.result()
     t["router-nolog"] = Target("router-nolog", LABELS["router-nolog"], listen, admin, pid, sidecars, nginx_pid,
                                list(stack.sidecar_admin))
-    listen, admin, pid = start_envoy(procs, workdir, "envoy-bare", bare_bootstrap(boot, NGINX_BACKEND))
+    listen, admin, pid = bare.result()
     t["bare"] = Target("bare", "bare Envoy", listen, admin, pid, [], nginx_pid)
-    listen, admin, pid = start_envoy(procs, workdir, "envoy-bare-sse", bare_bootstrap(boot, ENGINE_BACKEND))
+    listen, admin, pid = bare_sse.result()
     t["bare-sse"] = Target("bare-sse", "bare Envoy", listen, admin, pid, [], engine_pid)
-    listen, admin, pid, pids = start_trivial(procs, workdir, cfg, stack, NGINX_BACKEND, "llama-3.1-8b")
+    listen, admin, pid, pids = minimal.result()
     t["minimal"] = Target("minimal", LABELS["minimal"], listen, admin, pid, pids, nginx_pid)
-    listen, admin, pid, pids = start_trivial(procs, workdir, cfg, stack, ENGINE_BACKEND, "llama-s")
+    listen, admin, pid, pids = minimal_sse.result()
     t["minimal-sse"] = Target("minimal-sse", LABELS["minimal"], listen, admin, pid, pids, engine_pid)
-    if args.one_process:
-        stack1, sp1 = start_router_stack(cfg_path, workdir, 1, stacks)
-        t["router1"] = Target("router1", LABELS["router1"], stack1.listen, stack1.envoy_admin, sp1["envoy"],
-                              [sp1["sidecar-0"]], nginx_pid, list(stack1.sidecar_admin))
     return t
 
 
@@ -1075,27 +1103,32 @@ def measure_all(runner: Runner, t: dict[str, Target]) -> None:
           c("router-up-usage", "router-sse", "chat-stream", usage=True),
           c("router-client", "router-sse", "chat-stream-client"), c("router-plain", "router-sse", "plain-s")]
     for cfg in [*ns[1:], c("router-noexp", "router", "plain"), nolog, *one]:
-        runner.results[("count", cfg.key)] = [count_messages(cfg.target, cfg.model, COUNT_REQUESTS)]
+        runner.results[("count", cfg.key)] = [count_messages(cfg.target, cfg.model, runner.count_requests)]
     print(f"measuring: {runner.seconds} s per case after {runner.warmup} s warm-up, {runner.rounds} rounds",
           file=sys.stderr, flush=True)
     runner.run_case(Case("c32", "wrk", ns + [c("router-noexp", "router", "plain"), nolog] + one, connections=32))
-    runner.run_case(Case("c1", "wrk", ns + one, connections=1))
+    if not runner.quick:  # the same generators as c32 and open: quick runs each once
+        runner.run_case(Case("c1", "wrk", ns + one, connections=1))
     saturation = mean([x["rps"] for x in runner.results.get(("c32", "router"), [])])
     runner.openloop_rate = max(round(saturation / 2), 10) if saturation == saturation else 100
     runner.run_case(Case("open", "openloop", ns + [nolog], rate=runner.openloop_rate))
-    runner.run_case(Case("open-q", "openloop", ns, rate=max(round(runner.openloop_rate / 2), 5)))
+    if not runner.quick:
+        runner.run_case(Case("open-q", "openloop", ns, rate=max(round(runner.openloop_rate / 2), 5)))
     runner.run_case(Case("sse", "wrk", ss, connections=32, stream=True))
     runner.run_case(Case("ttft", "ttft", ss))
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: short runs, 1-process stack skipped")
-    parser.add_argument("--duration", type=int, default=None, help="measured seconds per case (10; quick 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up seconds per case (2; quick 1)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating order (at least 2)")
-    parser.add_argument("--one-process", dest="one_process", action="store_true", default=None,
-                        help="also measure a stack with 1 sidecar process (default: on, off with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="harness check: every stack and load generator for a few requests (1 s per case, "
+                             "1 round, no 1-connection or quarter-rate case, bench/decision.py --quick); the "
+                             "figures mean nothing")
+    parser.add_argument("--duration", type=int, default=None, help="measured seconds per case (10; quick 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up seconds per case (2; quick 0)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating order (at least 2; quick 1)")
+    parser.add_argument("--one-process", dest="one_process", action="store_true", default=True,
+                        help="also measure a stack with 1 sidecar process (default: on)")
     parser.add_argument("--no-one-process", dest="one_process", action="store_false")
     parser.add_argument("--wait-quiet", type=float, default=None, metavar="SECONDS",
                         help="first wait up to this long for a 1-minute load average below 0.7 (600; quick 0)")
@@ -1107,8 +1140,6 @@ def parse_args() -> argparse.Namespace:
                         help="total time the checks of --max-foreign may add (default 240)")
     parser.add_argument("--json", type=Path, default=None, help="also write every measurement as JSON here")
     args = parser.parse_args()
-    if args.one_process is None:
-        args.one_process = not args.quick
     if args.wait_quiet is None:
         args.wait_quiet = 0.0 if args.quick else 600.0
     return args
@@ -1135,15 +1166,18 @@ def main() -> int:
     runner.deadline = runner.started + args.max_minutes * 60
     info = machine()
     print("decision cost: bench/decision.py ...", file=sys.stderr, flush=True)
-    runner.decision = run_decision()
-
+    decision = start_decision(args.quick)
     tmp = tempfile.TemporaryDirectory(prefix="model-router-bench-")
     workdir = Path(tmp.name)
     procs = Procs(workdir)
     stacks: list[Stack] = []
     try:
+        if not args.quick:
+            runner.decision = decision_result(decision)
         t = start_targets(args, procs, workdir, stacks)
-        sanity_checks(t, stacks[0])
+        if args.quick:
+            runner.decision = decision_result(decision)
+        sanity_checks(t, next(s for s in stacks if s.sidecars == 2))
         measure_all(runner, t)
     except KeyboardInterrupt:
         print("interrupted: stopping every process started", file=sys.stderr, flush=True)
@@ -1160,6 +1194,9 @@ def main() -> int:
             except Exception as exc:  # keep stopping the rest
                 print(f"stopping a stack: {exc}", file=sys.stderr)
         procs.stop_all()
+        if decision.poll() is None:
+            decision.kill()
+            decision.communicate()
         tmp.cleanup()
 
     report(runner, info, args)

@@ -20,11 +20,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 
 import orjson
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
@@ -32,6 +30,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from . import errors, explain, listing, metrics, response_ids, routing, websearch
+from .answer_parts import AnswerParts, header_mutation
 from .body import named_models_or_error
 from .cache import ResponseCache
 from .errors import Reply
@@ -58,7 +57,6 @@ from .spans import upstream_traceparent
 
 log = logging.getLogger("model_router.extproc")
 
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 _P = pm.ProcessingMode
@@ -70,6 +68,9 @@ _MODE_BODY_NEXT = _P(
     request_header_mode=_P.SEND, request_body_mode=_P.BUFFERED, response_header_mode=_P.SKIP,
     response_body_mode=_P.NONE, request_trailer_mode=_P.SKIP, response_trailer_mode=_P.SKIP,
 )
+# The answer that asks for the body, the same for every request: built once,
+# never changed (grpc.aio only serializes what it is given).
+_BODY_NEXT = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
 # Decided at request headers: nothing more to see.
 _MODE_NOTHING_MORE = _P(
     request_header_mode=_P.SEND, request_body_mode=_P.NONE, response_header_mode=_P.SKIP,
@@ -81,17 +82,6 @@ def _struct(namespaces: dict) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.update(namespaces)
     return md
-
-
-def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:
-    m = pb.HeaderMutation()
-    for k, v in set_headers:
-        opt = m.set_headers.add()
-        opt.header.key = k
-        opt.header.raw_value = v.encode("utf-8")
-        opt.append_action = _OVERWRITE
-    m.remove_headers.extend(remove)
-    return m
 
 
 def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
@@ -155,6 +145,24 @@ class _Stream:
         return out
 
 
+# A route's header mutation: (set on every request of the route, removed, this request's own).
+_Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, str]]]
+
+def _read_headers(st: _Stream, msg: pb.HttpHeaders) -> dict[str, str]:
+    """The request headers as a dict (as ``header_map`` reads them), counting
+    them and their bytes for the header limits in the same pass."""
+    out: dict[str, str] = {}
+    size = 0
+    entries = msg.headers.headers
+    for x in entries:
+        key, raw = x.key, x.raw_value
+        value = raw.decode("latin-1") if raw else x.value
+        out[key] = value
+        size += len(key) + len(value)
+    st.header_count, st.header_bytes = len(entries), size
+    return out
+
+
 _SILENT = object()  # no message within the silence limit
 
 
@@ -198,6 +206,7 @@ class Processor(pbg.ExternalProcessorServicer):
         self.cache = ResponseCache()
         self.feedback = Feedback()
         self.json_budget = Budget()
+        self.parts = AnswerParts()
         self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
@@ -312,9 +321,7 @@ class Processor(pbg.ExternalProcessorServicer):
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.
         st.snap = snap = self.runtime.snapshot
-        st.headers = h = header_map(msg)
-        st.header_count = len(msg.headers.headers)
-        st.header_bytes = sum(len(x.key) + len(x.raw_value or x.value) for x in msg.headers.headers)
+        st.headers = h = _read_headers(st, msg)
         st.raw_path = h.get(":path", "/")
         st.path = canonical(st.raw_path)
         st.family = family = family_for(st.path)
@@ -351,11 +358,11 @@ class Processor(pbg.ExternalProcessorServicer):
             early = routing.passthrough(snap, st.path, caller, family, [])
             if isinstance(early, Reply):
                 return self._refuse(early, st)
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
+            return _BODY_NEXT
         if ingress.body == "query" or msg.end_of_stream:
             # No body will follow: decide now.
             return self._decide(st, b"", phase="headers")
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
+        return _BODY_NEXT
 
     def _request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if st.passthrough:
@@ -407,29 +414,22 @@ class Processor(pbg.ExternalProcessorServicer):
             route = errors.error("internal", "The router could not process this request.", st.family)
         if isinstance(route, Reply):
             return self._refuse(route, st)
-        metrics.DECISIONS.labels("routed").inc()
+        metrics.DECISIONS_OF("routed").inc()
         return self._routed(st, route, phase)
 
     def _routed(self, st: _Stream, route: routing.Route, phase: str) -> pb.ProcessingResponse:
         """The answer that sends a request on: header and body mutations, and
         the decision as dynamic metadata."""
         self._canonical_path(st, route)
-        common = self._route_common(st, route)
-        if isinstance(common, Reply):
-            return self._refuse(common, st)
+        headers = self._route_headers(st, route)
+        if isinstance(headers, Reply):
+            return self._refuse(headers, st)
         st.route = route
         self._remember(st, route)
         if route.limits is not None and route.limits.budgets:
             self.runtime.budgets.reserve(route.limits)  # in the step whose decision admitted it
-        if route.body is not None:
-            common.body_mutation.body = route.body
-        md = _struct({NAMESPACE: {**route.metadata(), **st.meta(), **self._explained(st, route)}})
-        if phase == "headers":
-            return pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=common), mode_override=_MODE_NOTHING_MORE,
-                dynamic_metadata=md,
-            )
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
+        md = {**route.metadata(), **st.meta(), **self._explained(st, route)}
+        return self.parts.routed(phase, _MODE_NOTHING_MORE, NAMESPACE, md, *headers, route.body)
 
     async def _shared_budgets(self, st: _Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         """With Redis, the reservation the decision made locally is made in
@@ -521,30 +521,32 @@ class Processor(pbg.ExternalProcessorServicer):
         if route.path is None and st.raw_path != st.path:
             route.path = st.path
 
-    def _route_common(self, st: _Stream, route: routing.Route) -> pb.CommonResponse | Reply:
-        """The request-header mutation that carries a route, or a 431 when it
-        would take the request past Envoy's header limits (Envoy would answer
-        that mutation with a 503 that blames the server)."""
-        sets = [(BACKEND_HEADER, route.cluster), *route.set_headers]
+    def _route_headers(self, st: _Stream, route: routing.Route) -> _Headers | Reply:
+        """The request-header mutation that carries a route (the headers every
+        request of this route gets, the ones removed, the request's own), or a
+        431 when it would take the request past Envoy's header limits (Envoy
+        would answer that mutation with a 503 that blames the server)."""
+        shared = ((BACKEND_HEADER, route.cluster), *route.set_headers)
         if route.limits is not None:
-            sets += route.limits.headers  # the descriptor Envoy's rate-limit filter reads
-        if route.path is not None:
-            sets.append((":path", route.path))
-        if route.body is not None:
-            sets.append(("content-length", str(len(route.body))))
+            shared += route.limits.headers  # the descriptor Envoy's rate-limit filter reads
         plan = route.plan
         if plan is not None and (plan.read_usage or plan.needs_response):
             # The response body must be readable to rewrite it or count its tokens.
-            sets.append(("accept-encoding", "identity"))
+            shared += (("accept-encoding", "identity"),)
         if plan is not None and plan.needs_response:
-            sets.append((RESPONSE_HEADER, "rewrite"))  # selects the route whose upstream filter rewrites
-        own = upstream_traceparent(st.headers.get("traceparent"))
-        if own is not None:  # the engine's spans join the router's trace (docs/observability.md)
-            sets.append(("traceparent", own[0]))
-            st.span_id = own[1]
+            shared += ((RESPONSE_HEADER, "rewrite"),)  # selects the route whose upstream filter rewrites
+        own = []
+        if route.path is not None:
+            own.append((":path", route.path))
+        if route.body is not None:
+            own.append(("content-length", str(len(route.body))))
+        traced = upstream_traceparent(st.headers.get("traceparent"))
+        if traced is not None:  # the engine's spans join the router's trace (docs/observability.md)
+            own.append(("traceparent", traced[0]))
+            st.span_id = traced[1]
         limits = st.snap.config.envoy
         count, size = st.header_count, st.header_bytes
-        for k, v in sets:
+        for k, v in (*shared, *own):
             old = st.headers.get(k)
             count += old is None
             size += len(k) + len(v) if old is None else len(v) - len(old)
@@ -558,7 +560,7 @@ class Processor(pbg.ExternalProcessorServicer):
         remove = route.remove_headers
         if any(name in st.headers for name in CLIENT_ROUTER_HEADERS):
             remove += tuple(name for name in CLIENT_ROUTER_HEADERS if name in st.headers)  # never upstream
-        return pb.CommonResponse(header_mutation=header_mutation(sets, remove), clear_route_cache=True)
+        return shared, remove, own
 
     @staticmethod
     def _explained(st: _Stream, result: routing.Route | Reply) -> dict:

@@ -87,11 +87,8 @@ def entry_of(log_entry) -> Entry:
     decision = _plain(meta[NAMESPACE]) if NAMESPACE in meta else {}
     usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
     flags = common.response_flags
-    upstream_failed = bool(
-        flags.upstream_connection_failure or flags.upstream_remote_reset
-        or flags.upstream_connection_termination or flags.upstream_request_timeout
-        or flags.upstream_protocol_error or flags.no_healthy_upstream
-    )
+    flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
+    headers = log_entry.request.request_headers
     return Entry(
         decision=decision,
         status=log_entry.response.response_code.value,
@@ -100,19 +97,23 @@ def entry_of(log_entry) -> Entry:
         total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
         prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
         completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
-        upstream_failed=upstream_failed,
-        client_gone=bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
-        rate_limited=flags.rate_limited,
+        upstream_failed=flagged and bool(
+            flags.upstream_connection_failure or flags.upstream_remote_reset
+            or flags.upstream_connection_termination or flags.upstream_request_timeout
+            or flags.upstream_protocol_error or flags.no_healthy_upstream
+        ),
+        client_gone=flagged and bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+        rate_limited=flagged and flags.rate_limited,
         cut=usage.get("cut") is not None,
         response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
         streamed=_tokens(usage, "streamed"),
         via_upstream=log_entry.response.response_code_details == "via_upstream",
-        traceparent=log_entry.request.request_headers.get("traceparent"),
-        tracestate=log_entry.request.request_headers.get("tracestate"),
+        traceparent=headers.get("traceparent") if headers else None,
+        tracestate=headers.get("tracestate") if headers else None,
         answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
         # No upstream address and no response flag: Envoy answered itself for
         # a reason none of its flags name (the request, not a backend or Envoy's state).
-        local_reply=not common.HasField("upstream_remote_address") and not flags.ByteSize(),
+        local_reply=not flagged and not common.HasField("upstream_remote_address"),
     )
 
 
@@ -121,7 +122,9 @@ _ANSWER_KEYS = ("response_id", "response_model", "finish_reason")
 
 def _plain(struct) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for k, v in struct.fields.items():
+    fields = struct.fields
+    for k in fields:  # (items() goes through the Mapping mixin, in Python)
+        v = fields[k]
         which = v.WhichOneof("kind")
         out[k] = v.string_value if which == "string_value" else v.bool_value if which == "bool_value" else (
             v.number_value if which == "number_value" else None
@@ -307,10 +310,10 @@ class Meter:
         if not experiment or not variant:
             return
         if kind in _COUNTED_KINDS:
-            metrics.EXPERIMENT_REQUESTS.labels(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
+            metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:
-                metrics.EXPERIMENT_DURATION.labels(experiment, variant).observe(duration)
+                metrics.EXPERIMENT_DURATION_OF(experiment, variant).observe(duration)
         if kind == "cache_hit":
             metrics.EXPERIMENT_CACHE_HITS.labels(experiment, variant).inc()
             return  # no model ran: no tokens
@@ -319,7 +322,7 @@ class Meter:
         tokens = billed(e)
         for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
             if n:
-                metrics.EXPERIMENT_TOKENS.labels(experiment, variant, name).inc(n)
+                metrics.EXPERIMENT_TOKENS_OF(experiment, variant, name).inc(n)
                 if tokens.estimated:
                     metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
 

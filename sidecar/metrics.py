@@ -6,7 +6,7 @@ Every label set the config implies is created when the config loads
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -192,6 +192,33 @@ VARIANT_WEIGHT = Gauge(
     ["experiment", "variant", "role"],
     registry=REGISTRY,
 )
+
+
+class Children:
+    """A labelled metric's children, each looked up once: ``labels()`` checks,
+    converts and locks on every call, a dict lookup does not. Only for metrics
+    whose children are never removed (a removed child would stay cached)."""
+
+    __slots__ = ("metric", "_known")
+    LIMIT = 10_000  # label sets kept before starting over (they come from config and closed sets)
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self._known: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._known.get(values)
+        if child is None:
+            if len(self._known) >= self.LIMIT:
+                self._known.clear()
+            child = self._known[values] = self.metric.labels(*values)
+        return child
+
+
+EXPERIMENT_REQUESTS_OF = Children(EXPERIMENT_REQUESTS)
+EXPERIMENT_DURATION_OF = Children(EXPERIMENT_DURATION)
+EXPERIMENT_TOKENS_OF = Children(EXPERIMENT_TOKENS)
+DECISIONS_OF = Children(DECISIONS)
 
 
 STATUSES = ("success", "client_error", "server_error")

@@ -1,7 +1,7 @@
 """Server binaries the tests start (Redis, Prometheus, llama.cpp's
-``llama-server``), the tools they run (docker-compose renders the compose file
-without a daemon; node runs the upstream CRD schemas of tests/crd), and their
-installer.
+``llama-server``; nginx and wrk for the benchmark harness), the tools they run
+(docker-compose renders the compose file without a daemon; node runs the
+upstream CRD schemas of tests/crd), and their installer.
 
 ``python -m tests.servers`` installs whichever of the Debian packages is
 missing and builds ``llama-server`` once (:mod:`tests.llama_build`, cached
@@ -26,7 +26,7 @@ from sidecar.stack import free_port
 
 # binary -> the Debian package that ships it (cmake and the compilers build llama-server)
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
-            "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm",
+            "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm", "nginx": "nginx-light", "wrk": "wrk",
             "cmake": "cmake", "c++": "build-essential", "cc": "build-essential", "make": "build-essential"}
 # The upstream CRD schemas (npm packages, pinned by tests/crd/package-lock.json)
 # that tests/test_crd_schemas.py validates the generated custom resources against.
@@ -34,7 +34,8 @@ CRD_SCHEMAS = Path(__file__).resolve().parent / "crd"
 
 
 def missing() -> dict[str, str]:
-    return {b: pkg for b, pkg in BINARIES.items() if shutil.which(b) is None}
+    # nginx lands in /usr/sbin, which an unprivileged PATH may not hold.
+    return {b: pkg for b, pkg in BINARIES.items() if shutil.which(b) is None and not Path("/usr/sbin", b).exists()}
 
 
 def install() -> int:

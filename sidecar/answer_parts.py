@@ -1,0 +1,97 @@
+"""The parts of an ext_proc answer that repeat across requests, encoded once.
+
+A routed request's answer carries the decision as a protobuf ``Struct`` and a
+header mutation. Most of both is the same for every request that takes the
+same arm to the same backend: only a few values (the request id, the key id,
+the sticky caller's hash, the body's new length) belong to one request.
+Building a ``Struct`` field by field runs in Python and is the costliest part
+of an answer, so each shape of answer is built once and copied (in C); the
+per-request values are set on the copy.
+
+The table is keyed by the values themselves, not by the config: a skeleton is
+a pure function of them. It is bounded (values a client can influence, such
+as a passthrough model name, could otherwise grow it without end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+LIMIT = 4096  # shapes kept per table before starting over
+
+# Decision fields whose values are (nearly) unique to one request. A new field
+# of that kind belongs here: left out, every request would build its own
+# skeleton (still correct, but as slow as building the answer field by field).
+PER_REQUEST = frozenset((
+    "request_id", "x_request_id", "key_id", "caller", "x_explain", "cache_key", "span_id", "estimate", "reserved",
+    "not_found", "response_id",
+))
+
+
+def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:
+    m = pb.HeaderMutation()
+    add_headers(m, set_headers)
+    m.remove_headers.extend(remove)
+    return m
+
+
+def add_headers(m: pb.HeaderMutation, set_headers: Iterable[tuple[str, str]]) -> None:
+    """Append headers that overwrite (or add) the request's."""
+    for k, v in set_headers:
+        opt = m.set_headers.add()
+        opt.header.key = k
+        opt.header.raw_value = v.encode("utf-8")
+        opt.append_action = _OVERWRITE
+
+
+class AnswerParts:
+    """The encoded shapes one processor has answered with: a routed answer is
+    copied from its shape's skeleton (one protobuf copy, in C) and only the
+    request's own values are set on it."""
+
+    def __init__(self) -> None:
+        self._known: dict[Any, pb.ProcessingResponse] = {}
+
+    def routed(self, phase: str, mode: Any, namespace: str, md: dict[str, Any], shared: tuple[tuple[str, str], ...],
+               remove: tuple[str, ...], own: Iterable[tuple[str, str]], body: bytes | None) -> pb.ProcessingResponse:
+        """The answer that sends a request on at ``phase`` ("headers" with
+        ``mode`` as its mode override, or "body"): the header mutation (``shared``
+        and ``remove``, then the request's ``own`` headers), the new ``body`` and
+        ``{namespace: md}`` as dynamic metadata. Takes the per-request fields out of ``md``."""
+        mine = {k: md.pop(k) for k in PER_REQUEST if k in md}
+        key = (phase, tuple(md.items()), shared, remove)
+        skeleton = self._known.get(key)
+        if skeleton is None:
+            if len(self._known) >= LIMIT:
+                self._known.clear()
+            skeleton = self._known[key] = _skeleton(phase, mode, namespace, md, shared, remove)
+        resp = pb.ProcessingResponse()
+        resp.CopyFrom(skeleton)
+        common = resp.request_headers.response if phase == "headers" else resp.request_body.response
+        add_headers(common.header_mutation, own)
+        if body is not None:
+            common.body_mutation.body = body
+        if mine:
+            inner = resp.dynamic_metadata.fields[namespace].struct_value
+            for k, v in mine.items():
+                if isinstance(v, str):
+                    inner.fields[k].string_value = v
+                else:
+                    inner.update({k: v})
+        return resp
+
+
+def _skeleton(phase: str, mode: Any, namespace: str, md: Mapping[str, Any], shared: tuple[tuple[str, str], ...],
+              remove: tuple[str, ...]) -> pb.ProcessingResponse:
+    common = pb.CommonResponse(header_mutation=header_mutation(shared, remove), clear_route_cache=True)
+    if phase == "headers":
+        resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), mode_override=mode)
+    else:
+        resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    resp.dynamic_metadata.update({namespace: dict(md)})
+    return resp
