@@ -78,7 +78,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     upstream, backend, edits, hops = chosen
     if plan.fallback is not None:
         # A hop serves the request: its model's limits apply, not the origin's.
-        limited = _limits(snap, req, plan.fallback.served)
+        limited = _limits(snap, req, plan.fallback.served, sum(cost))
         if isinstance(limited, Reply):
             return _attributed(limited, plan)
     if continues is not None:
@@ -416,7 +416,8 @@ def _permitted(req: Request, model: str) -> bool:
 def _hop_limits(snap: Snapshot, req: Request, model: str) -> tuple[str, tuple[str, ...]] | None:
     """What a hop after a failed attempt is charged to: (its limited model or
     "", its token budgets), or None when one of them is spent (the hop is skipped)."""
-    limited = _limits(snap, req, model)
+    # A retry is settled from its own entry; it reserves nothing up front.
+    limited = _limits(snap, req, model, 0)
     if isinstance(limited, Reply):
         return None
     return ("", ()) if limited is None else (limited.model, limited.budgets)
