@@ -22,7 +22,7 @@ from sidecar.stack import envoy_binary
 DEPLOY = Path("deploy/kubernetes")
 TEMPLATE = "sidecar/templates/ab-testing.yaml"
 K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests target (native gRPC probes: 1.27)
-BUILT_IN = {"Secret", "Deployment", "Service", "PodDisruptionBudget"}
+BUILT_IN = {"Secret", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
 
 
 def _docs(name: str) -> list[dict]:

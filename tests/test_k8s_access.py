@@ -63,8 +63,11 @@ def test_a_secret_from_the_environment_goes_to_a_secret_the_pod_and_the_gateway_
     config_secret = next(d for d in files["sidecar.yaml"] if d["kind"] == "Secret" and d["metadata"]["name"] == "model-router-config")
     assert SECRET not in config_secret["stringData"]["config.yaml"]  # the config keeps the reference
     patches = files["istio.yaml"][0]["spec"]["configPatches"]
-    calls = [patches[0]["patch"]["value"]["typed_config"]["grpc_service"],
-             patches[2]["patch"]["value"]["typed_config"]["access_log"][0]["typed_config"]["common_config"]["grpc_service"]]
+    values = [p["patch"]["value"] for p in patches]
+    decision = next(v for v in values if v.get("name") == "envoy.filters.http.ext_proc")
+    hcm = next(v for v in values if "access_log" in v.get("typed_config", {}))
+    calls = [decision["typed_config"]["extension_config"]["typed_config"]["grpc_service"],
+             hcm["typed_config"]["access_log"][0]["typed_config"]["common_config"]["grpc_service"]]
     for call in calls:
         assert call["initial_metadata"] == [{"key": METADATA_KEY, "value": SECRET}]
     assert "envoy-gateway.yaml" not in files  # its EnvoyExtensionPolicy cannot send the secret
