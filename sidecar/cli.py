@@ -44,12 +44,18 @@ def load_config(path: str, env: dict[str, str] | None = None):
     return loaded
 
 
-def cmd_serve(args) -> int:
-    if (args.log_format or os.environ.get("MODEL_ROUTER_LOG_FORMAT") or "").strip().lower() == "json":
-        # Before gRPC loads: its C core would write plain lines into the JSON
-        # stream (the sidecar logs what it does about each failure); an
-        # operator's GRPC_VERBOSITY still wins.
+def _quiet_grpc_for_json(argv: list[str]) -> None:
+    """Under JSON logs gRPC's C core would write plain lines into the stream
+    (the sidecar logs what it does about each failure): silence it before any
+    module loads gRPC, subcommands' parsers included. An operator's
+    GRPC_VERBOSITY still wins."""
+    given = next((v for a, v in zip(argv, [*argv[1:], ""]) if a == "--log-format"), None)
+    given = next((a.partition("=")[2] for a in argv if a.startswith("--log-format=")), given)
+    if (given or os.environ.get("MODEL_ROUTER_LOG_FORMAT") or "").strip().lower() == "json":
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
+def cmd_serve(args) -> int:
     from . import workers as workers_mod
     from .envoyconf import standby_addresses
     from .logs import setup as setup_logging
@@ -395,5 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_grpc_for_json(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     return args.func(args) or 0

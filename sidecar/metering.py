@@ -89,6 +89,7 @@ def entry_of(log_entry) -> Entry:
     flags = common.response_flags
     flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
     headers = log_entry.request.request_headers
+    via_upstream = log_entry.response.response_code_details == "via_upstream"
     return Entry(
         decision=decision,
         status=log_entry.response.response_code.value,
@@ -107,13 +108,13 @@ def entry_of(log_entry) -> Entry:
         cut=usage.get("cut") is not None,
         response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
         streamed=_tokens(usage, "streamed"),
-        via_upstream=log_entry.response.response_code_details == "via_upstream",
+        via_upstream=via_upstream,
         traceparent=headers.get("traceparent") if headers else None,
         tracestate=headers.get("tracestate") if headers else None,
         answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
         # No upstream address and no response flag: Envoy answered itself for
         # a reason none of its flags name (the request, not a backend or Envoy's state).
-        local_reply=not flagged and not common.HasField("upstream_remote_address"),
+        local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
     )
 
 

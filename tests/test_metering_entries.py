@@ -22,6 +22,7 @@ def log_entry(status: int, upstream: bool, **flags: bool) -> accesslog_pb2.HTTPA
     if upstream:
         e.common_properties.upstream_remote_address.socket_address.address = "127.0.0.1"
         e.common_properties.upstream_remote_address.socket_address.port_value = 9000
+        e.response.response_code_details = "via_upstream"  # what Envoy logs for the backend's own answer
     for name, value in flags.items():
         setattr(e.common_properties.response_flags, name, value)
     return e
