@@ -106,7 +106,7 @@ def entry_of(log_entry) -> Entry:
         client_gone=flagged and bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
         rate_limited=flagged and flags.rate_limited,
         cut=usage.get("cut") is not None,
-        response_id=usage["response_id"] if isinstance(usage.get("response_id"), str) else None,
+        response_id=v if isinstance(v := usage.get("engine_response_id"), str) else None,
         streamed=_tokens(usage, "streamed"),
         via_upstream=via_upstream,
         traceparent=headers.get("traceparent") if headers else None,

@@ -204,8 +204,9 @@ class ResponseStream:
         if self.plan.background and self.buffered:
             engine_id = response_id_of(msg.body)
             if engine_id is not None:
-                # Beside the usage this answer may also publish, in the same namespace.
-                resp.dynamic_metadata.fields[USAGE_NAMESPACE].struct_value.update({"response_id": engine_id})
+                # Beside the usage this answer may also publish, in the same namespace;
+                # not `response_id`, which Envoy's JSON filter fills with the id the client got.
+                resp.dynamic_metadata.fields[USAGE_NAMESPACE].struct_value.update({"engine_response_id": engine_id})
         if self.duplex:
             self.events += msg.body.count(b"data:")
             # Envoy sends on only what comes back, changed or not.

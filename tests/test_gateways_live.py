@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from sidecar import assignment, envoyconf, k8s, k8s_gateways
+from sidecar import assignment, envoyconf, grpc_auth, k8s, k8s_gateways
 from sidecar import config as config_mod
 from sidecar.stack import envoy_binary, free_port
 
@@ -178,12 +178,29 @@ def meters_each_arm_and_fails_closed(stack, listen: str, other_app: bool) -> Non
         assert r.status_code == 503
 
 
+def authenticated(boot: dict, secret: str | None) -> dict:
+    """The gateway's calls to the sidecar carry the test stack's gRPC secret, as
+    a deployment's would (every gRPC call in these bootstraps is the sidecar's)."""
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if "envoy_grpc" in node and secret is not None:
+                node["initial_metadata"] = [{"key": grpc_auth.METADATA_KEY, "value": secret}]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(boot)
+    return boot
+
+
 def test_an_envoy_gateway_proxy_meters_per_arm_and_fails_closed_with_503(stack_factory, tmp_path: Path):
     stack = stack_factory(Path(TEMPLATE).read_text())
     files = k8s.manifests(config_mod.load(TEMPLATE).config, "", k8s.Options())
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     boot = eg_bootstrap(yaml.safe_load((stack.workdir / "envoy.yaml").read_text()), files, listen, admin)
-    with running_envoy(boot, tmp_path):
+    with running_envoy(authenticated(boot, stack.grpc_secret), tmp_path):
         meters_each_arm_and_fails_closed(stack, listen, other_app=True)
 
 
@@ -209,5 +226,5 @@ def test_an_istio_gateway_patched_by_the_envoy_filter_meters_per_arm_and_fails_c
     _twin(boot, k8s_gateways.istio_cluster(k8s.Options()))
     (envoy_filter,) = [d for d in files["istio.yaml"] if d["kind"] == "EnvoyFilter"]
     _apply_envoy_filter(boot, envoy_filter)
-    with running_envoy(boot, tmp_path):
+    with running_envoy(authenticated(boot, stack.grpc_secret), tmp_path):
         meters_each_arm_and_fails_closed(stack, listen, other_app=False)
