@@ -1052,7 +1052,7 @@ def _start_beside(pool: ThreadPoolExecutor, procs: Procs, workdir: Path, cfg, st
                              engine_pid, list(stack.sidecar_admin)),
     }
     boot = envoyconf.bootstrap(cfg, sidecar_addresses=stack.sidecar_grpc, backend_urls=stack.demo_urls,
-                               listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
+                               listen="127.0.0.1:1", admin_listen="127.0.0.1:1", grpc_secret=stack.grpc_secret)
     nolog = pool.submit(start_envoy, procs, workdir, "envoy-nolog", no_access_log_bootstrap(boot))
     bare = pool.submit(start_envoy, procs, workdir, "envoy-bare", bare_bootstrap(boot, NGINX_BACKEND))
     bare_sse = pool.submit(start_envoy, procs, workdir, "envoy-bare-sse", bare_bootstrap(boot, ENGINE_BACKEND))
