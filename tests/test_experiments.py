@@ -96,6 +96,12 @@ def test_every_caller_keeps_its_arm_across_replicas_and_restart(stack, first_arm
                for text in stack.metrics_text())
     stack.stop_sidecar()
     stack.start_sidecar()
+    # Envoy may still try a connection to the stopped processes once (and fail
+    # closed): the restart is done when a request is routed again.
+    deadline = time.monotonic() + 30
+    while stack.http.post("/v1/chat/completions", json={"model": "chat", "messages": []}).status_code != 200:
+        assert time.monotonic() < deadline, "no request routed after the restart"
+        time.sleep(0.05)
     assert arms(stack, sample) == {k: first_arms[k] for k in sample}
 
 
