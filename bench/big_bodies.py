@@ -4,7 +4,7 @@
     .venv/bin/python bench/big_bodies.py --seconds 5  # smoke test
 
 One run starts, on free 127.0.0.1 ports, the model-router stack
-(``sidecar.stack.Stack``: the real Envoy, one sidecar process, a demo engine)
+(``sidecar.devstack.stack.Stack``: the real Envoy, one sidecar process, a demo engine)
 and a bare Envoy (the same bootstrap with every router piece removed, see
 ``bench/run.py``) in front of the same demo engine. A victim client sends a
 small chat completion, one at a time on a keep-alive connection, and records
@@ -149,9 +149,9 @@ def measure(target: str, seconds: float, attack_on: str | None) -> tuple[dict, d
 def main() -> None:
     import run as bench_run
 
-    from sidecar import config as config_mod
-    from sidecar import envoyconf
-    from sidecar.stack import Stack
+    from sidecar.config import schema as config_mod
+    from sidecar.deploy import envoy as envoyconf
+    from sidecar.devstack.stack import Stack
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=20.0)

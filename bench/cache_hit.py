@@ -4,7 +4,7 @@
     .venv/bin/python bench/cache_hit.py --seconds 3  # smoke test
 
 One run starts, on free 127.0.0.1 ports, the model-router stack
-(``sidecar.stack.Stack``: the real Envoy, 2 sidecar processes, a demo engine)
+(``sidecar.devstack.stack.Stack``: the real Envoy, 2 sidecar processes, a demo engine)
 with ``cache: {}``, and a bare Envoy (the same bootstrap with every router
 piece removed, see ``bench/run.py``) in front of the same demo engine. The
 same ~200 B chat completion is sent by a closed-loop generator in its own
@@ -120,9 +120,9 @@ def _hits(stack) -> float:
 def main() -> None:
     import run as bench_run
 
-    from sidecar import config as config_mod
-    from sidecar import envoyconf
-    from sidecar.stack import Stack
+    from sidecar.config import schema as config_mod
+    from sidecar.deploy import envoy as envoyconf
+    from sidecar.devstack.stack import Stack
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=10.0)

@@ -24,13 +24,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from sidecar import metering, snapshot
-from sidecar.config import parse
-from sidecar.extproc import Processor
-from sidecar.ingress import lookup
-from sidecar.rewrite import SSERewriter, rewrite_json_body
-from sidecar.routing import Request, authenticate, decide
-from sidecar.server import Runtime
+from sidecar.accounting import metering
+from sidecar.config.schema import parse
+from sidecar.handlers.extproc import Processor
+from sidecar.payload.rewrite import SSERewriter, rewrite_json_body
+from sidecar.routing import Request, authenticate, decide, snapshot
+from sidecar.routing.ingress import lookup
+from sidecar.serve.server import Runtime
 
 CONFIG = """
 backends:

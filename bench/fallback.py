@@ -3,7 +3,7 @@
     .venv/bin/python bench/fallback.py              # 4 rounds of 8 s per config
     .venv/bin/python bench/fallback.py --seconds 3  # quicker
 
-Two stacks (``sidecar.stack.Stack``: the real Envoy and one sidecar process)
+Two stacks (``sidecar.devstack.stack.Stack``: the real Envoy and one sidecar process)
 in front of the same fast stub upstream (asyncio, a fixed chat completion):
 one config without ``fallback_chains``, and the same config with a chain for
 the model the load asks for, so every request is routed through a composite
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import _http  # noqa: E402
 import httpx  # noqa: E402
 
-from sidecar.stack import Stack  # noqa: E402
+from sidecar.devstack.stack import Stack  # noqa: E402
 
 _BODY = (b'{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"plain",'
          b'"choices":[{"index":0,"message":{"role":"assistant","content":"Hello there, friend."},'

@@ -11,7 +11,7 @@ more than 25% of a core, repeating a measurement they disturbed once (at most
 One run starts, on free 127.0.0.1 ports:
 
 - nginx (``return 200`` with a fixed chat completion) for non-streaming cases;
-- the model-router stack (``sidecar.stack.Stack``: the real Envoy, 2 sidecar
+- the model-router stack (``sidecar.devstack.stack.Stack``: the real Envoy, 2 sidecar
   processes as 2 ext_proc endpoints, and a demo engine for paced SSE), with
   its metering: the usage filters, the gRPC access log and the response
   processor on the rewrite route;
@@ -66,11 +66,11 @@ sys.path.insert(0, str(BENCH))
 
 import _http  # noqa: E402
 
-from sidecar import config as config_mod  # noqa: E402
-from sidecar import envoyconf  # noqa: E402
-from sidecar.stack import Stack, StackError, envoy_binary, free_port  # noqa: E402
-from sidecar.stack import wait_http as stack_wait_http  # noqa: E402
-from sidecar.stack import wait_tcp as stack_wait_tcp  # noqa: E402
+from sidecar.config import schema as config_mod  # noqa: E402
+from sidecar.deploy import envoy as envoyconf  # noqa: E402
+from sidecar.devstack.stack import Stack, StackError, envoy_binary, free_port  # noqa: E402
+from sidecar.devstack.stack import wait_http as stack_wait_http  # noqa: E402
+from sidecar.devstack.stack import wait_tcp as stack_wait_tcp  # noqa: E402
 
 KEYS = 1000
 BACKEND_HEADER = "x-model-router-backend"

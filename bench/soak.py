@@ -4,7 +4,7 @@
     .venv/bin/python bench/soak.py --seconds 3600 --rate half   # an hour at half the saturation
     .venv/bin/python bench/soak.py --recycle 100000             # under the worker supervisor
 
-Starts a ``sidecar.stack.Stack`` (two demo engines, one sidecar process, the
+Starts a ``sidecar.devstack.stack.Stack`` (two demo engines, one sidecar process, the
 real Envoy) with an active experiment (sticky by API key, ``response_model:
 client``, attribution headers), then a few client threads send buffered and
 streamed chat completions (with and without ``stream_options.include_usage``)
@@ -43,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar.stack import Stack  # noqa: E402
+from sidecar.devstack.stack import Stack  # noqa: E402
 
 CONFIG = """
 server: {max_body_bytes: 1048576, admin_token: soak-admin}

@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config.schema import Config
 
 # A *_created series per label set doubles what a scrape carries and no query here uses it.
 disable_created_metrics()
@@ -267,7 +267,7 @@ def prime(config: Config) -> None:
                     for reason in reasons:
                         FALLBACKS.labels(e.name, v.id, v.model, hop, reason)
     if config.cache is not None:
-        from . import cache
+        from .stores import cache
 
         cache.prime(config)
         for e in config.model_experiments:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.stack import Stack, StackError
+from sidecar.devstack.stack import Stack, StackError
 from tests.servers import RedisServer
 
 # Property tests explore new inputs on every local run; under CI they draw the

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.stack import free_port
+from sidecar.devstack.stack import free_port
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.stack import free_port
+from sidecar.devstack.stack import free_port
 
 REALISTIC = """
 metering: {flush_interval_ms: 100}

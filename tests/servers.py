@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.k8s_monitoring import SCRAPE_JOB
-from sidecar.stack import free_port
+from sidecar.deploy.k8s_monitoring import SCRAPE_JOB
+from sidecar.devstack.stack import free_port
 
 # binary -> the Debian package that ships it (cmake and the compilers build llama-server)
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar import config_edit
-from sidecar.config import ConfigError, parse
+from sidecar.config import edit as config_edit
+from sidecar.config.schema import ConfigError, parse
 
 TOKEN = "adm-guard-token-0123"
 SECRET_VALUE = "sk-env-secret-value-4242"

@@ -7,8 +7,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format
 
-from sidecar import answer_parts
-from sidecar.answer_parts import AnswerParts
+from sidecar.handlers import answer_parts
+from sidecar.handlers.answer_parts import AnswerParts
 
 MODE = pm.ProcessingMode(request_header_mode=pm.ProcessingMode.SEND, request_body_mode=pm.ProcessingMode.NONE)
 SHARED = (("x-model-router-backend", "pool-a"), ("accept-encoding", "identity"))

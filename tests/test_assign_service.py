@@ -1,6 +1,6 @@
 """Assignment as a service: the ``experiments assign`` CLI and the gRPC service.
 
-Both are checked against :func:`sidecar.assignment.assign` (the function the
+Both are checked against :func:`sidecar.routing.assignment.assign` (the function the
 request path uses) and against each other, through real processes: the CLI
 as ``python -m sidecar experiments assign`` and the service inside
 ``python -m sidecar serve``.
@@ -27,10 +27,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sidecar import protogen
 from sidecar._proto import assignment_pb2 as pb
 from sidecar._proto import assignment_pb2_grpc as pb_grpc
-from sidecar.assignment import assign, next_boundary
+from sidecar.routing.assignment import assign, next_boundary
+from tools import protogen
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO_PACKAGE = REPO / "sidecar" / "_proto"
@@ -516,9 +516,9 @@ def test_generated_code_is_current(tmp_path):
     checked_in = {
         p.name: p.read_bytes() for p in PROTO_PACKAGE.iterdir() if p.is_file() and p.suffix in (".py", ".pyi")
     }
-    assert sorted(fresh) == sorted(checked_in), "run: python -m sidecar.protogen"
+    assert sorted(fresh) == sorted(checked_in), "run: python -m tools.protogen"
     for name in fresh:
-        assert fresh[name] == checked_in[name], f"sidecar/_proto/{name} is out of date; run: python -m sidecar.protogen"
+        assert fresh[name] == checked_in[name], f"sidecar/_proto/{name} is out of date; run: python -m tools.protogen"
     grpc_module = fresh["assignment_pb2_grpc.py"].decode()
     assert "from . import assignment_pb2 as" in grpc_module
     assert "from model_router" not in grpc_module

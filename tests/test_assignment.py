@@ -1,4 +1,4 @@
-"""Tests for sticky variant assignment (sidecar/assignment.py, docs/assignment.md).
+"""Tests for sticky variant assignment (sidecar/routing/assignment.py, docs/assignment.md).
 
 The reference implementation below is written straight from the published
 algorithm text and deliberately shares no code with the production module:
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from sidecar.assignment import Assignment, Race, Score, assign, caller_key, next_boundary, salt_prefix
+from sidecar.routing.assignment import Assignment, Race, Score, assign, caller_key, next_boundary, salt_prefix
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "assignment.md"
 

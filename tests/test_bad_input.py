@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from sidecar.assignment import assign
-from sidecar.body import set_top_level
+from sidecar.payload.body import set_top_level
+from sidecar.routing.assignment import assign
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.body import BodyError, parse_json, set_top_level, top_level_spans
+from sidecar.payload.body import BodyError, parse_json, set_top_level, top_level_spans
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
 scalars = st.one_of(

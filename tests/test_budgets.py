@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-from sidecar import shared_store, snapshot
-from sidecar.budgets import Budgets
-from sidecar.config import parse
-from sidecar.metering import Billed, Entry, billed
+from sidecar.accounting.budgets import Budgets
+from sidecar.accounting.metering import Billed, Entry, billed
+from sidecar.config.schema import parse
 from sidecar.routing import limits as lim
+from sidecar.routing import snapshot
+from sidecar.stores import shared_store
 
 CONFIG = """
 redis: {url: "%s", key_prefix: "budgets-test:", timeout_ms: 200}

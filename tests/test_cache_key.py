@@ -6,12 +6,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from sidecar import snapshot
-from sidecar.cache import Entry, MemoryStore, storable
-from sidecar.config import ConfigError, parse
-from sidecar.ingress import lookup
-from sidecar.routing import Caller, Request, decide
+from sidecar.config.schema import ConfigError, parse
+from sidecar.routing import Caller, Request, decide, snapshot
+from sidecar.routing.ingress import lookup
 from sidecar.routing.route import CachePlan, Route
+from sidecar.stores.cache import Entry, MemoryStore, storable
 
 CONFIG = """
 proxy: {variant_suffixes: {enabled: true}}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sidecar.stack import envoy_binary
+from sidecar.devstack.stack import envoy_binary
 
 COMPOSE = Path("docker-compose.yml")
 CONFIG_IN_CONTAINER = "/etc/model-router/config.yaml"

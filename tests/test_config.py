@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sidecar.cli import template_text
-from sidecar.config import ConfigError, parse
+from sidecar.commands.main import template_text
+from sidecar.config.schema import ConfigError, parse
 
 BASE = """
 backends:
@@ -238,7 +238,7 @@ def test_backend_name_with_a_trailing_newline_is_rejected():
 
 
 def test_config_validate_command_refuses_a_block_scalar_name(tmp_path, capsys):
-    from sidecar.cli import main
+    from sidecar.commands.main import main
 
     path = tmp_path / "router.yaml"
     path.write_text(BASE.replace("KEY_B", "HOME") + "model_experiments:\n  - name: |\n      e1\n    model: chat\n"

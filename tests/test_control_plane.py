@@ -16,7 +16,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.grpc_auth import METADATA_KEY
+from sidecar.serve.grpc_auth import METADATA_KEY
 from tests.conftest import metric, wait_metric
 
 CONFIG = """
@@ -130,8 +130,8 @@ def test_envoy_calls_are_served_and_health_is_open(stack):
 
 
 def test_every_sidecar_call_in_the_bootstrap_carries_the_secret():
-    from sidecar import config as config_mod
-    from sidecar import envoyconf
+    from sidecar.config import schema as config_mod
+    from sidecar.deploy import envoy as envoyconf
 
     cfg = config_mod.parse(CONFIG.replace("metering:", "fallback_chains: {model-a: [model-b]}\n"
                                           "limits: [{model: chat, requests_per_second: 5, shared: true}]\n"
@@ -236,8 +236,8 @@ def test_with_mtls_envoy_routes_and_a_caller_without_the_certificate_is_refused(
 
 
 def _gate(**auth):
-    from sidecar.config import GrpcAuth
-    from sidecar.grpc_auth import Gate
+    from sidecar.config.schema import GrpcAuth
+    from sidecar.serve.grpc_auth import Gate
 
     spec = GrpcAuth(**auth)
     return Gate(spec.secret, spec)
@@ -266,7 +266,7 @@ def test_without_grpc_auth_the_port_trusts_its_network():
 
 @pytest.mark.parametrize("value", ["short", "has space in it 0123", "x" * 15])
 def test_a_weak_secret_is_refused_at_load(value):
-    from sidecar.config import ConfigError, parse
+    from sidecar.config.schema import ConfigError, parse
 
     with pytest.raises(ConfigError) as info:
         parse(f"server: {{grpc_auth: {{secret: '{value}'}}}}\nbackends: [{{name: a, url: 'demo://'}}]\n", env={})

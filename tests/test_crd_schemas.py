@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import config as config_mod
-from sidecar import k8s
+from sidecar.config import schema as config_mod
+from sidecar.deploy import k8s
 from tests.servers import CRD_SCHEMAS
 
 from .test_k8s import BUILT_IN, TEMPLATE

@@ -5,11 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from sidecar import snapshot
-from sidecar.config import parse
+from sidecar.config.schema import parse
 from sidecar.errors import Reply
-from sidecar.ingress import INGRESSES, lookup
-from sidecar.routing import Caller, Request, authenticate, decide, passthrough
+from sidecar.routing import Caller, Request, authenticate, decide, passthrough, snapshot
+from sidecar.routing.ingress import INGRESSES, lookup
 
 CONFIG = """
 backends:
@@ -231,7 +230,7 @@ def test_engine_spellings_resolve_to_their_row(path, row):
 
 
 def test_listing_spellings_keep_the_model_id():
-    from sidecar.ingress import listing_path
+    from sidecar.routing.ingress import listing_path
 
     assert listing_path("/v1/models/") == "/v1/models"
     assert listing_path("/V1/Models/Org/Model-7B") == "/v1/models/Org/Model-7B"
@@ -248,7 +247,7 @@ def test_listing_spellings_keep_the_model_id():
     ("/v1/models/a%2Fb", "/v1/models/a/b"),
 ])
 def test_canonical_paths(raw, expected):
-    from sidecar.ingress import canonical
+    from sidecar.routing.ingress import canonical
 
     assert canonical(raw) == expected
 

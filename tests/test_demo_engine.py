@@ -23,7 +23,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from sidecar.demo_engine import SPLIT_WORD, add_arguments, build_app, start
+from sidecar.devstack.demo.engine import SPLIT_WORD, add_arguments, build_app, start
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -731,7 +731,7 @@ def test_run_serves_until_signalled(sig: signal.Signals) -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     with subprocess.Popen(
-        [sys.executable, "-m", "sidecar.demo_engine", "--port", str(port), "--name", "cli", "--model", "x1"],
+        [sys.executable, "-m", "sidecar.devstack.demo.engine", "--port", str(port), "--name", "cli", "--model", "x1"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,

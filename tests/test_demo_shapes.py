@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from sidecar.demo_shapes import anthropic_tool, openai_tool, schema_instance
+from sidecar.devstack.demo.shapes import anthropic_tool, openai_tool, schema_instance
 
 # ------------------------------------------------------------------ schema generator
 
@@ -307,7 +307,7 @@ def test_responses_parse_returns_a_pydantic_object(stack):
     {"tools": [{"function": {"name": "f", "parameters": {"anyOf": "x", "allOf": [{"properties": 2}]}}}]},
 ])
 def test_odd_tool_bodies_do_not_break_the_planner(body):
-    from sidecar.demo_shapes import chat_replies
+    from sidecar.devstack.demo.shapes import chat_replies
 
     replies = chat_replies({**body, "messages": []}, ["hi"])
     assert len(replies) == 1

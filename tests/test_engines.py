@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.engines import (
+from sidecar.config.engines import (
     ENGINES,
     EngineMetrics,
     compute_throughput,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sidecar.stack import envoy_binary
+from sidecar.devstack.stack import envoy_binary
 
 CASES = {
     "envoy/ab-testing.yaml": ["--config", "sidecar/templates/ab-testing.yaml"],

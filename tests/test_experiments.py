@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from sidecar.assignment import assign
+from sidecar.routing.assignment import assign
 
 from .conftest import clear_demo_requests, demo_requests, metric, sidecar_metric, wait_metric
 

@@ -1,4 +1,4 @@
-"""Reassignment preview: exact expected movers (sidecar/reassignment.py) against the
+"""Reassignment preview: exact expected movers (sidecar/experiments/reassignment.py) against the
 published hash over real keys, and ``model-router experiments diff``."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import reassignment
-from sidecar.assignment import _window, assign
-from sidecar.cli import main
-from sidecar.config import parse
-from sidecar.experiments_diff import KeyList, SeenKeys, diff
+from sidecar.commands.main import main
+from sidecar.config.schema import parse
+from sidecar.experiments import reassignment
+from sidecar.experiments.diff import KeyList, SeenKeys, diff
+from sidecar.routing.assignment import _window, assign
 
 N_KEYS = 10_000
 KEYS = tuple(f"user-{i:05d}" for i in range(N_KEYS))

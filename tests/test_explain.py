@@ -11,17 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import snapshot
-from sidecar.assign_service import answer
-from sidecar.cli import main
-from sidecar.config import parse
-from sidecar.envoyconf import _namespace_matchers
-from sidecar.explain import RequestSpec, SpecError, explain
-from sidecar.ingress import lookup
-from sidecar.monitor import BackendState
-from sidecar.routing import Caller, Request, authenticate, decide
+from sidecar.backends.monitor import BackendState
+from sidecar.commands.main import main
+from sidecar.config.schema import parse
+from sidecar.deploy.envoy import _namespace_matchers
+from sidecar.experiments.service import answer
+from sidecar.routing import Caller, Request, authenticate, decide, snapshot
+from sidecar.routing.explain import RequestSpec, SpecError, explain
+from sidecar.routing.ingress import lookup
+from sidecar.routing.snapshot import CLIENT_ROUTER_HEADERS, ROUTER_HEADER_PREFIXES
 from sidecar.routing.trace import Trace
-from sidecar.snapshot import CLIENT_ROUTER_HEADERS, ROUTER_HEADER_PREFIXES
 
 from .conftest import clear_demo_requests, demo_requests
 from .test_suffixes import Generator, admin_backends, wait_for

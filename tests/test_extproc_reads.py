@@ -13,7 +13,7 @@ import gc
 
 import pytest
 
-from sidecar.extproc import _SILENT, _next
+from sidecar.handlers.extproc import _SILENT, _next
 
 
 class Messages:

@@ -9,12 +9,11 @@ import httpx
 import orjson
 import pytest
 
-from sidecar import snapshot
-from sidecar.config import ConfigError, parse
+from sidecar.backends.monitor import BackendState
+from sidecar.config.schema import ConfigError, parse
 from sidecar.errors import Reply
-from sidecar.ingress import lookup
-from sidecar.monitor import BackendState
-from sidecar.routing import Caller, Request, decide
+from sidecar.routing import Caller, Request, decide, snapshot
+from sidecar.routing.ingress import lookup
 
 from .conftest import metric, wait_metric
 

@@ -15,13 +15,13 @@ import openai
 import orjson
 import pytest
 
-from sidecar import envoyconf, snapshot
-from sidecar.config import parse
-from sidecar.ingress import lookup
-from sidecar.monitor import BackendState
-from sidecar.routing import Caller, Request, decide
+from sidecar.backends.monitor import BackendState
+from sidecar.config.schema import parse
+from sidecar.deploy import envoy as envoyconf
+from sidecar.devstack.stack import envoy_binary, free_port
+from sidecar.routing import Caller, Request, decide, snapshot
+from sidecar.routing.ingress import lookup
 from sidecar.routing.retarget import retarget
-from sidecar.stack import envoy_binary, free_port
 
 from .conftest import demo_requests, envoy_stat, metric, wait_metric
 

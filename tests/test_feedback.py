@@ -12,7 +12,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.config import parse
+from sidecar.config.schema import parse
 from sidecar.experiments import feedback, join
 from sidecar.experiments.feedback import Feedback, owner_of
 
@@ -300,7 +300,7 @@ def test_report_through_the_admin_port(stack):
 def test_prometheus_records_the_feedback_rules_and_the_report_reads_it(stack_factory, tmp_path, capsys):
     from pathlib import Path
 
-    from sidecar.cli import main
+    from sidecar.commands.main import main
     from tests.servers import PrometheusServer
 
     rules = Path(__file__).resolve().parent.parent / "deploy" / "observability" / "model-router.rules.yml"

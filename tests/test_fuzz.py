@@ -16,14 +16,13 @@ import yaml
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from sidecar import snapshot
-from sidecar.body import set_top_level, top_level_spans
-from sidecar.config import Config, ConfigError, parse
+from sidecar.config.schema import Config, ConfigError, parse
 from sidecar.errors import Reply
-from sidecar.ingress import INGRESSES
-from sidecar.rewrite import SSERewriter, rewrite_json_body
-from sidecar.routing import Request, Route, authenticate, decide
+from sidecar.payload.body import set_top_level, top_level_spans
+from sidecar.payload.rewrite import SSERewriter, rewrite_json_body
+from sidecar.routing import Request, Route, authenticate, decide, snapshot
 from sidecar.routing import suffixes as variants
+from sidecar.routing.ingress import INGRESSES
 
 
 def fuzz(max_examples: int) -> settings:

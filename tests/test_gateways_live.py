@@ -20,9 +20,12 @@ import httpx
 import pytest
 import yaml
 
-from sidecar import assignment, envoyconf, grpc_auth, k8s, k8s_gateways
-from sidecar import config as config_mod
-from sidecar.stack import envoy_binary, free_port
+from sidecar.config import schema as config_mod
+from sidecar.deploy import envoy as envoyconf
+from sidecar.deploy import k8s, k8s_gateways
+from sidecar.devstack.stack import envoy_binary, free_port
+from sidecar.routing import assignment
+from sidecar.serve import grpc_auth
 
 from .conftest import demo_requests, metered, sidecar_metric
 from .test_k8s import TEMPLATE, _apply_envoy_filter, _eg_ext_proc, httproute_routes

@@ -13,9 +13,10 @@ import openai
 import pytest
 import yaml
 
-from sidecar import config as config_mod
-from sidecar import envoyconf, k8s
-from sidecar.stack import Stack, envoy_binary, free_port
+from sidecar.config import schema as config_mod
+from sidecar.deploy import envoy as envoyconf
+from sidecar.deploy import k8s
+from sidecar.devstack.stack import Stack, envoy_binary, free_port
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat, write_config
 

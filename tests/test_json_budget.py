@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from sidecar.json_budget import MAX_MEMBERS, Budget, count_members
+from sidecar.payload.json_budget import MAX_MEMBERS, Budget, count_members
 
 from .test_bad_input import check_error
 

@@ -15,9 +15,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sidecar import config as config_mod
-from sidecar import envoyconf, k8s, k8s_gateways
-from sidecar.stack import envoy_binary
+from sidecar.config import schema as config_mod
+from sidecar.deploy import envoy as envoyconf
+from sidecar.deploy import k8s, k8s_gateways
+from sidecar.devstack.stack import envoy_binary
 
 DEPLOY = Path("deploy/kubernetes")
 TEMPLATE = "sidecar/templates/ab-testing.yaml"

@@ -8,9 +8,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sidecar import config as config_mod
-from sidecar import k8s
-from sidecar.grpc_auth import METADATA_KEY
+from sidecar.config import schema as config_mod
+from sidecar.deploy import k8s
+from sidecar.serve.grpc_auth import METADATA_KEY
 
 TEMPLATE = Path("sidecar/templates/ab-testing.yaml")
 SECRET = "k8s-grpc-secret-0123456789"

@@ -71,7 +71,7 @@ def test_a_metadata_alias_draws_from_its_models_request_rate(stack):
 
 
 def test_a_limit_naming_a_metadata_alias_is_refused():
-    from sidecar.config import ConfigError, parse
+    from sidecar.config.schema import ConfigError, parse
 
     with pytest.raises(ConfigError, match=r"limits\[0\]\.model: 'gp' is a model_metadata alias of 'gpt-public'"):
         parse("""

@@ -6,13 +6,12 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from sidecar import snapshot
-from sidecar.config import ConfigError, parse
+from sidecar.config.limits import KEY_HEADER, MODEL_HEADER
+from sidecar.config.schema import ConfigError, parse
 from sidecar.errors import Reply
-from sidecar.ingress import lookup
-from sidecar.limit_rules import KEY_HEADER, MODEL_HEADER
-from sidecar.routing import Request, authenticate, decide
+from sidecar.routing import Request, authenticate, decide, snapshot
 from sidecar.routing import limits as lim
+from sidecar.routing.ingress import lookup
 
 CONFIG = """
 proxy: {variant_suffixes: {enabled: true}}
@@ -127,7 +126,7 @@ def test_an_unknown_model_is_a_warning():
 
 
 def test_shared_and_local_rates_name_separate_descriptors():
-    from sidecar.limit_rules import SHARED_KEY_HEADER, SHARED_MODEL_HEADER
+    from sidecar.config.limits import SHARED_KEY_HEADER, SHARED_MODEL_HEADER
 
     text = """
 redis: {url: "redis://127.0.0.1:1"}

@@ -11,8 +11,8 @@ import openai
 import orjson
 import pytest
 
-from sidecar import logs
-from sidecar.metering import Entry
+from sidecar.accounting import logs
+from sidecar.accounting.metering import Entry
 
 KEY = "sk-log-team-very-secret-0123"
 WRONG_KEY = "sk-wrong-key-also-secret-4567"

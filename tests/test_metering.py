@@ -267,7 +267,7 @@ def test_usage_records_carry_the_arm_and_never_the_key(stack):
 
 
 def test_a_response_its_upstream_cut_is_a_server_error_whatever_its_status():
-    from sidecar.metering import Entry, status_class
+    from sidecar.accounting.metering import Entry, status_class
 
     def entry(status: int, upstream_failed: bool, client_gone: bool = False) -> Entry:
         return Entry(decision={}, status=status, start=0.0, headers_s=0.1, total_s=0.5, prompt_tokens=None,
@@ -282,7 +282,7 @@ def test_a_response_its_upstream_cut_is_a_server_error_whatever_its_status():
 
 def test_an_observer_that_fails_loses_no_count_and_no_other_entry():
     from sidecar import metrics as m
-    from sidecar.metering import Entry, Meter
+    from sidecar.accounting.metering import Entry, Meter
 
     class Broken:
         def observe(self, entry):

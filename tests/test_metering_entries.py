@@ -6,8 +6,8 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from google.protobuf import struct_pb2
 
 from sidecar import metrics
-from sidecar.metering import Meter, entry_of, status_class
-from sidecar.response_stream import NAMESPACE
+from sidecar.accounting.metering import Meter, entry_of, status_class
+from sidecar.handlers.response_stream import NAMESPACE
 
 DECISION = {"kind": "routed", "backend": "pool-b", "experiment": "local-reply", "variant": "candidate",
             "assignment": "sticky"}

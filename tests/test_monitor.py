@@ -18,17 +18,11 @@ from types import MappingProxyType
 import aiohttp
 import pytest
 
-from sidecar.config import parse
+from sidecar.backends.monitor import BackendState, Monitor, auth_headers, parse_models, poll_url
+from sidecar.config.schema import parse
+from sidecar.devstack.stack import free_port
 from sidecar.metrics import REGISTRY
-from sidecar.monitor import (
-    BackendState,
-    Monitor,
-    auth_headers,
-    parse_models,
-    poll_url,
-)
-from sidecar.snapshot import build
-from sidecar.stack import free_port
+from sidecar.routing.snapshot import build
 
 from .test_engines import page
 

@@ -19,8 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar import k8s, k8s_monitoring, metrics, srm
-from sidecar.config import parse
+from sidecar import metrics
+from sidecar.config.schema import parse
+from sidecar.deploy import k8s, k8s_monitoring
+from sidecar.experiments import srm
 from tests.servers import PrometheusServer
 
 from .conftest import metered

@@ -10,7 +10,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from sidecar.stack import free_port
+from sidecar.devstack.stack import free_port
 
 from .conftest import clear_demo_requests, demo_requests, metric
 

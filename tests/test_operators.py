@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from sidecar import config_edit
-from sidecar.assignment import assign
-from sidecar.config import ConfigError, parse
+from sidecar.config import edit as config_edit
+from sidecar.config.schema import ConfigError, parse
+from sidecar.routing.assignment import assign
 
 from .conftest import sidecar_metric
 

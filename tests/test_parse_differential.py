@@ -25,9 +25,9 @@ from starlette.datastructures import Headers, QueryParams
 from starlette.formparsers import MultiPartParser
 from yarl import URL
 
-from sidecar.body import BodyError, query_model
-from sidecar.formdata import form_model
-from sidecar.ingress import INGRESSES, canonical, lookup, path_problem
+from sidecar.payload.body import BodyError, query_model
+from sidecar.payload.formdata import form_model
+from sidecar.routing.ingress import INGRESSES, canonical, lookup, path_problem
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from sidecar.metering import Meter, entry_of
+from sidecar.accounting.metering import Meter, entry_of
 
 
 def _log_entry(status: int, details: str, connect_failed: bool = False) -> accesslog_pb2.HTTPAccessLogEntry:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from sidecar.cli import main
-from sidecar.config import parse
+from sidecar.commands.main import main
+from sidecar.config.schema import parse
 from sidecar.experiments import readout, records, samples
 
 CONFIG = """
@@ -183,7 +183,7 @@ def test_figures_from_metric_samples(cfg):
     ("feedback: {max_entries: 5}", "feedback.max_entries"),
 ])
 def test_feedback_config_is_checked(extra, fragment):
-    from sidecar.config import ConfigError
+    from sidecar.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as err:
         parse(CONFIG + extra + "\n")

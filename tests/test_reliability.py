@@ -25,8 +25,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from grpc_health.v1 import health, health_pb2_grpc
 
-from sidecar.assignment import assign
-from sidecar.stack import free_port
+from sidecar.devstack.stack import free_port
+from sidecar.routing.assignment import assign
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from sidecar.response_ids import Owner, derive, tag
+from sidecar.payload.response_ids import Owner, derive, tag
 
 from .conftest import metric, wait_metric
 

@@ -7,12 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import snapshot
-from sidecar.config import parse
-from sidecar.ingress import follow_up as follow_up_path
-from sidecar.response_ids import Owner, tag, untag
-from sidecar.rewrite import rewrite_json_body
-from sidecar.routing import Caller, Route, decide, follow_up
+from sidecar.config.schema import parse
+from sidecar.payload.response_ids import Owner, tag, untag
+from sidecar.payload.rewrite import rewrite_json_body
+from sidecar.routing import Caller, Route, decide, follow_up, snapshot
+from sidecar.routing.ingress import follow_up as follow_up_path
 
 from .test_decide import refusal, req
 

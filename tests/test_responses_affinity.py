@@ -17,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from sidecar.response_ids import Owner, derive, tag, untag
+from sidecar.payload.response_ids import Owner, derive, tag, untag
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat
 

@@ -1,4 +1,4 @@
-"""Tests for sidecar.rewrite: JSON body rewriting and the streaming SSE rewriter."""
+"""Tests for sidecar.payload.rewrite: JSON body rewriting and the streaming SSE rewriter."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from sidecar import rewrite
-from sidecar.rewrite import SSERewriter, Usage, rewrite_json_body
+from sidecar.payload import rewrite
+from sidecar.payload.rewrite import SSERewriter, Usage, rewrite_json_body
 
 UNICODE = "héllo→✓😀"
 

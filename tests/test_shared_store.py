@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from sidecar import shared_store
-from sidecar.config import ConfigError, RedisSettings, parse
+from sidecar.config.schema import ConfigError, RedisSettings, parse
+from sidecar.stores import shared_store
 
 
 def test_redis_url_is_checked():

@@ -151,7 +151,7 @@ def _unchunk(data: bytes) -> bytes:
 def test_a_request_timeout_that_would_cut_the_online_loop_is_refused():
     """The request timeout covers the decision, and the :online loop answers
     within it."""
-    from sidecar.config import ConfigError, parse
+    from sidecar.config.schema import ConfigError, parse
 
     online = """
 backends: [{name: a, url: "http://127.0.0.1:1", models: [m]}]

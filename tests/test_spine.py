@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 
-from sidecar import envoyconf
-from sidecar.config import parse
-from sidecar.stack import envoy_binary
+from sidecar.config.schema import parse
+from sidecar.deploy import envoy as envoyconf
+from sidecar.devstack.stack import envoy_binary
 
 from .conftest import clear_demo_requests, demo_requests, envoy_stat
 

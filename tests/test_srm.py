@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from sidecar import srm
-from sidecar.assignment import assign
-from sidecar.config import parse
+from sidecar.config.schema import parse
+from sidecar.experiments import srm
+from sidecar.routing.assignment import assign
 
 from .conftest import metered, sidecar_metric
 
@@ -204,9 +204,8 @@ model_experiments:
 
 
 def test_the_decision_publishes_the_caller_key_digest_for_sticky_assignments_only():
-    from sidecar import snapshot
-    from sidecar.assignment import caller_key
-    from sidecar.routing import decide
+    from sidecar.routing import decide, snapshot
+    from sidecar.routing.assignment import caller_key
 
     from .test_decide import req
 

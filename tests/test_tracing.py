@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from sidecar import spans, trace_settings
-from sidecar.config import Tracing
-from sidecar.metering import Entry
+from sidecar.accounting import spans, trace_settings
+from sidecar.accounting.metering import Entry
+from sidecar.config.schema import Tracing
 
 from .conftest import clear_demo_requests, demo_requests, metric, wait_metric
 from .otlp import GrpcReceiver, HttpReceiver, decode
@@ -170,7 +170,7 @@ def test_the_file_wins_over_otel_variables_and_sdk_disabled_wins_over_all():
 
 
 def test_a_bad_tracing_section_is_a_config_error_with_its_path():
-    from sidecar.config import ConfigError, parse
+    from sidecar.config.schema import ConfigError, parse
 
     base = 'backends: [{name: a, url: "demo://", models: [m]}]\n'
     assert parse(base + 'tracing: {endpoint: "https://collector:4317", sampler: traceidratio, sampler_arg: 0.5}')
@@ -188,7 +188,7 @@ def test_xds_protos_and_the_otlp_exporter_import_together():
         "from envoy.service.ext_proc.v3 import external_processor_pb2\n"
         "from envoy.service.accesslog.v3 import als_pb2\n"
         "from envoy.extensions.access_loggers.open_telemetry.v3 import logs_service_pb2\n"
-        "import sidecar.server, sidecar.tracing\n"
+        "import sidecar.serve.server, sidecar.accounting.tracing\n"
         "from opentelemetry.proto.collector.trace.v1 import trace_service_pb2\n"
         "from sidecar._proto import otlp_pb2\n"
         "span = otlp_pb2.Span(name='router.request', trace_id=b'\\x01' * 16)\n"
@@ -343,7 +343,7 @@ def test_a_reload_moves_export_and_a_full_queue_drops_and_counts(grpc_receiver):
     import asyncio
 
     from sidecar import metrics
-    from sidecar.tracing import Tracer
+    from sidecar.accounting.tracing import Tracer
 
     other = GrpcReceiver().start()
     current = {"cfg": Tracing(endpoint=grpc_receiver.endpoint, schedule_delay_ms=20, max_queue_size=2)}
@@ -394,7 +394,7 @@ def test_a_collector_that_never_answers_costs_counted_spans_within_the_timeout(p
     import socket
 
     from sidecar import metrics
-    from sidecar.tracing import Tracer
+    from sidecar.accounting.tracing import Tracer
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

@@ -16,8 +16,8 @@ import openai
 import pytest
 import yaml
 
-from sidecar.restarts import RestartPolicy
-from sidecar.stack import Stack, StackError, free_port, port_free
+from sidecar.devstack.stack import Stack, StackError, free_port, port_free
+from sidecar.serve.restarts import RestartPolicy
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar.stack import Stack
+from sidecar.devstack.stack import Stack
 from tests.conftest import sidecar_metric, write_config
 
 BASE = """

@@ -1,1 +1,2 @@
-"""Judging experiments: outcome feedback joined to the arm, and the per-arm readout."""
+"""Experiments: the Assignment API, outcome feedback joined to the arm, the per-arm readout,
+the sample-ratio check, and what a config change does to running experiments."""

@@ -14,12 +14,12 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from ..commands.report import experiments_of, report_from_records
 from . import records
-from .report_cli import experiments_of, report_from_records
 
 
 class Runtime(Protocol):
-    """What the report needs of the serving process's runtime (``sidecar.server.Runtime``)."""
+    """What the report needs of the serving process's runtime (``sidecar.serve.server.Runtime``)."""
 
     usage_records: str | None
     snapshot: Any

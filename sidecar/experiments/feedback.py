@@ -33,7 +33,7 @@ from ..metrics import REGISTRY
 from .join import JoinStore, Served, Unavailable
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config.schema import Config
 
 PATH = "/v1/feedback"
 MAX_ID = 256

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
 
-from .. import shared_store
 from ..metrics import REGISTRY
+from ..stores import shared_store
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config.schema import Config
 
 log = logging.getLogger("model_router.feedback")
 

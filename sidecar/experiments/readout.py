@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .sequential import ALPHA, Moments, Optimize, difference, verdict
 
 if TYPE_CHECKING:
-    from ..config import Config, Experiment
+    from ..config.schema import Config, Experiment
 
 SRM_THRESHOLD = 0.001  # the live alert's threshold (docs/operations.md)
 UNTRUSTED = "not trusted"

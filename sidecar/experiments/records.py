@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .. import srm
+from . import srm
 from .readout import ArmData, feedback_key
 from .sequential import Moments
 
 if TYPE_CHECKING:
-    from ..config import Config, Experiment, ModelMetadata, Price
+    from ..config.schema import Config, Experiment, ModelMetadata, Price
 
 COUNTED_KINDS = ("routed", "refusal", "answered", "cache_hit")  # requests on an arm, as the metrics count them
 SERVED_KINDS = ("routed", "answered", "cache_hit")
@@ -83,7 +83,7 @@ def _request(arm: _Arm, rec: Mapping[str, Any], prices: _Prices) -> None:
     if isinstance(caller, str):
         arm.callers.add(caller)
         if kind in ("routed", "answered") and 200 <= status < 300:
-            arm.served_callers.add(caller)  # the sample-ratio test's population (sidecar/srm.py)
+            arm.served_callers.add(caller)  # the sample-ratio test's population (sidecar/experiments/srm.py)
     if kind not in SERVED_KINDS:
         return
     latency = _num(rec.get("duration_to_headers_ms"))

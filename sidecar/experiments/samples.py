@@ -24,7 +24,7 @@ from .readout import ArmData, build, feedback_key
 from .sequential import Moments
 
 if TYPE_CHECKING:
-    from ..config import Config, Experiment
+    from ..config.schema import Config, Experiment
 
 Sample = tuple[str, Mapping[str, str], float]
 

@@ -1,6 +1,6 @@
 """Responses API affinity: calls about a stored response go to the backend holding it.
 
-The owner comes from the id itself (:mod:`sidecar.response_ids`), sealed by
+The owner comes from the id itself (:mod:`sidecar.payload.response_ids`), sealed by
 the router: only the key that created a response may ask about it, and a
 follow-up still passes the gates a create of the id's model on the id's
 backend would pass. Every refusal is the answer an id the router never handed
@@ -15,11 +15,11 @@ from urllib.parse import quote
 
 from .. import errors
 from ..errors import Reply
-from ..response_ids import Owner, untag
-from ..snapshot import BackendInfo, Snapshot
+from ..payload.response_ids import Owner, untag
 from .context import Caller
 from .reservation import reserved_by
 from .route import ResponsePlan, Route, upstream_auth
+from .snapshot import BackendInfo, Snapshot
 
 
 def owner_backend(snap: Snapshot, caller: Caller, response_id: str) -> tuple[Owner, BackendInfo, str] | None:

@@ -8,7 +8,7 @@ now). Envoy carries the request through them in one client request: the route
 points at a *composite* cluster ``[backend, hop 1's backend, ...]`` whose n-th
 attempt goes to its n-th cluster, and an upstream filter that Envoy skips on
 the first attempt has the sidecar rewrite every later one for its hop
-(``sidecar/hop_stream.py``). A first attempt therefore costs nothing extra.
+(``sidecar/handlers/hop_stream.py``). A first attempt therefore costs nothing extra.
 The cluster names are a function of the config, shared by the decision and
 the Envoy bootstrap.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..snapshot import Snapshot, build
+from .snapshot import Snapshot, build
 
 T = TypeVar("T")
 COMPOSITE_PREFIX = "fallback"  # followed by the hop count and "~": fallback1~a~b

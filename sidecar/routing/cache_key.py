@@ -1,5 +1,5 @@
 """The response cache's stage of the decision: may this request's answer be
-cached, and under which key. Pure: the store itself is :mod:`sidecar.cache`.
+cached, and under which key. Pure: the store itself is :mod:`sidecar.stores.cache`.
 
 The key is a digest of what decides the answer and who may read it:
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 
-from ..config import Cache
+from ..config.schema import Cache
 from .context import Request
 from .route import CachePlan, Route
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..body import BodyError, check_model_name, parse_json, query_model
-from ..config import ApiKey, Experiment
+from ..config.schema import ApiKey, Experiment
 from ..errors import Reply
-from ..formdata import FormField, form_model
-from ..ingress import Ingress
-from ..snapshot import Snapshot
+from ..payload.body import BodyError, check_model_name, parse_json, query_model
+from ..payload.formdata import FormField, form_model
+from .ingress import Ingress
 from .selection import BackendView
+from .snapshot import Snapshot
 from .trace import Trace
 
 

@@ -11,18 +11,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import errors
-from ..assignment import is_blank
-from ..body import BodyError, replace_query_model, set_top_level
 from ..errors import Reply
-from ..formdata import replace_field
-from ..response_ids import Owner
-from ..snapshot import BackendInfo, ExperimentInfo, Snapshot
+from ..payload.body import BodyError, replace_query_model, set_top_level
+from ..payload.formdata import replace_field
+from ..payload.response_ids import Owner
 from . import affinity, attempts, limits, selection
+from .assignment import is_blank
 from .attempts import Hop
 from .cache_key import plan_cache
 from .context import Parsed, Request, parse, sticky_value
 from .reservation import reserved_by
 from .route import Fallback, ResponsePlan, Route, upstream_auth
+from .snapshot import BackendInfo, ExperimentInfo, Snapshot
 from .suffixes import SUFFIXES, Suffix, split, supported
 from .trace import AttemptTrace, Trace
 

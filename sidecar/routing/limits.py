@@ -18,10 +18,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .. import errors
+from ..config.limits import KEY_HEADER, MODEL_HEADER, SHARED_KEY_HEADER, SHARED_MODEL_HEADER, Rule
 from ..errors import Reply
-from ..limit_rules import KEY_HEADER, MODEL_HEADER, SHARED_KEY_HEADER, SHARED_MODEL_HEADER, Rule
-from ..snapshot import Snapshot
 from .route import Meta
+from .snapshot import Snapshot
 
 # rule id -> (window index, tokens spent in that window), as the budget counters last saw it
 Spent = Mapping[str, tuple[int, int]]

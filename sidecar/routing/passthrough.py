@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import errors
-from ..body import BodyError
 from ..errors import Reply
-from ..snapshot import Snapshot
+from ..payload.body import BodyError
 from .context import Caller
 from .reservation import reserved_by
 from .route import Route, upstream_auth
+from .snapshot import Snapshot
 
 
 def passthrough(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..snapshot import Snapshot
+from .snapshot import Snapshot
 
 
 def reserved_by(snap: Snapshot, name: str, aliases: bool = True) -> str | None:

@@ -1,6 +1,6 @@
 """A fallback attempt: the request as a hop's backend gets it.
 
-Envoy runs this (through ``sidecar/hop_stream.py``) on every attempt after the
+Envoy runs this (through ``sidecar/handlers/hop_stream.py``) on every attempt after the
 first of a request whose route named hops, that is after an attempt failed
 upstream. The decision left what is needed in its metadata (``retry``: the
 hops, the chain's origin, the path below the backend's base path, whether a
@@ -16,10 +16,10 @@ from typing import Any
 
 import orjson
 
-from ..body import BodyError, parse_json, set_top_level
-from ..snapshot import Snapshot
+from ..payload.body import BodyError, parse_json, set_top_level
 from .limits import BUDGET_SEPARATOR
 from .route import Meta, upstream_auth
+from .snapshot import Snapshot
 
 REASON = "upstream_error"  # the previous attempt failed: connect failure, reset, 5xx or 429
 _CREDENTIALS = ("authorization", "x-api-key")

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from ..snapshot import BackendInfo, Snapshot
 from .attempts import Hop, composite_cluster
+from .snapshot import BackendInfo, Snapshot
 
 if TYPE_CHECKING:
     from .limits import LimitPlan
@@ -39,7 +39,7 @@ class ResponsePlan:
     hop_path: str | None = None  # the upstream path without the backend's base path
     drop_effort: bool = False  # the suffix added reasoning_effort: a hop removes it
     cache: CachePlan | None = None
-    id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.response_ids)
+    id_tag: str | None = None  # put before the Responses API ids of the answer (sidecar.payload.response_ids)
     # A follow-up's id as the client sent it: the engine's 404 becomes the
     # router's own, so no answer tells an id the engine lost from one never issued.
     not_found: str | None = None

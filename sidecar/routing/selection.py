@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..snapshot import BackendInfo, Snapshot
+from .snapshot import BackendInfo, Snapshot
 from .trace import AttemptTrace
 
 

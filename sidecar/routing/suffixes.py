@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..snapshot import Snapshot
+from .snapshot import Snapshot
 
 
 @dataclass(frozen=True, slots=True)

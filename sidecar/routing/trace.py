@@ -2,7 +2,7 @@
 
 The stages fill a :class:`Trace` when the request carries one
 (``Request.trace``) and skip every record otherwise, so a request without one
-pays a ``None`` check per stage. :mod:`sidecar.explain` runs the pipeline with
+pays a ``None`` check per stage. :mod:`sidecar.routing.explain` runs the pipeline with
 a trace for ``POST /admin/explain``, ``model-router explain`` and the
 ``x-model-router-explain`` request header.
 

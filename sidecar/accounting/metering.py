@@ -1,0 +1,372 @@
+"""Accounting off the request path: one access-log entry per request.
+
+Envoy sends every finished request to the sidecar's ``AccessLogService``
+(the gRPC access logger, batched). An entry carries the decision the sidecar
+published as dynamic metadata (``model_router``), the token usage Envoy's
+``json_to_metadata`` / ``sse_to_metadata`` filters read from the response
+(``model_router_usage``), the status and the timings. From it the sidecar
+computes the per-arm metrics, passive backend health and usage records; the
+request itself never waits for any of it.
+
+Delivery is best effort: the entries of a flush that finds no sidecar
+listening are lost (docs/metering.md says how to see the loss). Nothing here
+can fail or slow a client request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import grpc
+import orjson
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from .. import metrics
+from ..handlers.response_stream import NAMESPACE, USAGE_NAMESPACE
+
+log = logging.getLogger("model_router.metering")
+
+# Kinds of decision that count as requests on an experiment arm (a cache hit
+# too: the arm answered it, from its own entries).
+_COUNTED_KINDS = ("routed", "refusal", "answered", "cache_hit")
+# Kinds whose request the decision sent to a backend.
+_SENT_KINDS = ("routed", "passthrough", "count_tokens", "follow_up")
+# Kinds whose request was served under its decision's suffix and fallback.
+_SERVED_KINDS = ("routed", "answered", "cache_hit")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What one access-log entry says about one request."""
+
+    decision: Mapping[str, Any]  # the sidecar's metadata; empty: the sidecar never decided
+    status: int  # 0: no response was sent
+    start: float  # unix time the request arrived
+    headers_s: float | None  # to the first byte sent to the client (the response headers)
+    total_s: float | None  # to the last byte sent to the client
+    prompt_tokens: int | None  # None: the response reported no usage
+    completion_tokens: int | None
+    upstream_failed: bool  # Envoy could not get a complete answer from the backend
+    client_gone: bool  # the client went away before the answer
+    rate_limited: bool = False  # Envoy's request-rate filter refused it
+    cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
+    response_id: str | None = None  # a background create's engine id, as its answer gave it
+    streamed: int | None = None  # a cut stream: the events it passed on before the cut
+    # Envoy answered itself after the decision, before any upstream was tried
+    # (an invalid header mutation): not the backend's failure nor the arm's.
+    local_reply: bool = False
+    traceparent: str | None = None  # the client's W3C trace context headers, as sent
+    tracestate: str | None = None
+    answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
+    via_upstream: bool = False  # the status came from the backend, not from Envoy itself
+
+
+def _seconds(d) -> float | None:
+    return d.seconds + d.nanos / 1e9 if d.ByteSize() else None
+
+
+def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
+    for k in keys:
+        v = usage.get(k)
+        if isinstance(v, (int, float)) and v >= 0:
+            return int(v)
+    return None
+
+
+def entry_of(log_entry) -> Entry:
+    """Read an ``HTTPAccessLogEntry``; pure."""
+    common = log_entry.common_properties
+    meta = common.metadata.filter_metadata
+    decision = _plain(meta[NAMESPACE]) if NAMESPACE in meta else {}
+    usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
+    flags = common.response_flags
+    flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
+    headers = log_entry.request.request_headers
+    via_upstream = log_entry.response.response_code_details == "via_upstream"
+    return Entry(
+        decision=decision,
+        status=log_entry.response.response_code.value,
+        start=common.start_time.seconds + common.start_time.nanos / 1e9,
+        headers_s=_seconds(common.time_to_first_downstream_tx_byte),
+        total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
+        prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
+        completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
+        upstream_failed=flagged and bool(
+            flags.upstream_connection_failure or flags.upstream_remote_reset
+            or flags.upstream_connection_termination or flags.upstream_request_timeout
+            or flags.upstream_protocol_error or flags.no_healthy_upstream
+        ),
+        client_gone=flagged and bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
+        rate_limited=flagged and flags.rate_limited,
+        cut=usage.get("cut") is not None,
+        response_id=v if isinstance(v := usage.get("engine_response_id"), str) else None,
+        streamed=_tokens(usage, "streamed"),
+        via_upstream=via_upstream,
+        traceparent=headers.get("traceparent") if headers else None,
+        tracestate=headers.get("tracestate") if headers else None,
+        answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
+        # No upstream address and no response flag: Envoy answered itself for
+        # a reason none of its flags name (the request, not a backend or Envoy's state).
+        local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
+    )
+
+
+_ANSWER_KEYS = ("response_id", "response_model", "finish_reason")
+
+
+def _plain(struct) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fields = struct.fields
+    for k in fields:  # (items() goes through the Mapping mixin, in Python)
+        v = fields[k]
+        which = v.WhichOneof("kind")
+        out[k] = v.string_value if which == "string_value" else v.bool_value if which == "bool_value" else (
+            v.number_value if which == "number_value" else None
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Billed:
+    """The tokens a request is accounted with, in metrics, usage records and budgets."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    estimated: bool  # no usage arrived: the decision's estimate (routing.limits.estimate)
+
+    @property
+    def total(self) -> int:
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+
+
+_UNKNOWN = Billed(None, None, False)
+
+
+def billed(entry: Entry) -> Billed:
+    """The usage the response reported; or, for a request that ran but whose
+    usage never arrived (a stream either side cut, a client that left before
+    the end, a background create), the estimate its decision published (for
+    the router's own cut, the events it streamed stand for the completion).
+    Anything else without usage (an error, an engine that reports none) is
+    unknown and charged nothing."""
+    d = entry.decision
+    kind = d.get("kind")
+    if kind == "follow_up":
+        return _UNKNOWN  # a retrieved response repeats the usage of the create that was already counted
+    if entry.prompt_tokens is not None or entry.completion_tokens is not None:
+        return Billed(entry.prompt_tokens, entry.completion_tokens, False)
+    if kind not in ("routed", "answered"):
+        return _UNKNOWN  # no model ran, or it ran for a prompt's size only (count_tokens)
+    served = entry.status == 0 or 200 <= entry.status < 300
+    ran = entry.cut or (served and (entry.client_gone or d.get("background") is True))
+    prompt, _, completion = str(d.get("estimate") or "").partition(",")
+    if not ran or not prompt.isdigit() or not completion.isdigit():
+        return _UNKNOWN
+    if entry.cut and entry.streamed is not None:
+        # The router cut it and reset the engine: what it streamed, within the cap.
+        return Billed(int(prompt), min(entry.streamed, int(completion)), True)
+    return Billed(int(prompt), int(completion), True)
+
+
+def outcome(entry: Entry) -> int:
+    """The status a request is recorded with: the router's cut of a stream is
+    an upstream timeout, whatever status line the client got before it."""
+    return 504 if entry.cut else entry.status
+
+
+def status_class(entry: Entry) -> str:
+    if entry.local_reply and entry.status >= 400 and entry.decision.get("kind") in _SENT_KINDS:
+        return "client_error"  # Envoy refused what the client sent, after the decision; no backend ran
+    if entry.cut:
+        return "server_error"
+    # A response cut by its upstream (an engine crash mid-stream) went out as a 200 but failed.
+    failed = entry.upstream_failed and not entry.client_gone
+    if entry.status >= 500 or failed or (entry.status == 0 and not entry.client_gone):
+        return "server_error"
+    if entry.status >= 400 or entry.status == 0:
+        return "client_error"  # a client that left is the client's outcome
+    return "success"
+
+
+def usage_record(entry: Entry) -> dict[str, Any] | None:
+    """The usage record of a request the router resolved, or None. Never the key."""
+    d = entry.decision
+    kind = d.get("kind")
+    if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
+        return None
+    if kind == "feedback":
+        from ..experiments.feedback import usage_record as feedback_record
+
+        return feedback_record(d, entry.start)
+    tokens = billed(entry)
+    return {
+        "request_id": d.get("request_id"),
+        "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
+        "key_id": d.get("key_id"),
+        "kind": kind,
+        "client_model": d.get("client_model"),
+        "upstream_model": d.get("upstream_model"),
+        "backend": d.get("backend"),
+        "experiment_id": d.get("experiment"),
+        "experiment_variant_id": d.get("variant"),
+        "assignment": d.get("assignment"),
+        "caller": d.get("caller"),  # the sticky caller's hash: distinct callers in the readout
+        "suffix": d.get("suffix"),
+        "fallback_from": d.get("fallback_from"),
+        "status": outcome(entry),
+        "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
+        "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
+        "prompt_tokens": tokens.prompt_tokens,
+        "completion_tokens": tokens.completion_tokens,
+        "estimated": tokens.estimated,
+    }
+
+
+class Sink(Protocol):
+    def write(self, records: list[dict[str, Any]]) -> None: ...
+
+
+class JsonLinesSink:
+    """Usage records as JSON lines appended to a file (``-``: standard output).
+
+    Each batch is one ``write`` on an ``O_APPEND`` descriptor, so several
+    sidecar processes can share the file without interleaving lines.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = sys.stdout.fileno() if path == "-" else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            os.write(self._fd, b"".join(orjson.dumps(r) + b"\n" for r in records))
+
+    def close(self) -> None:
+        if self.path != "-":
+            os.close(self._fd)
+
+
+class Observer(Protocol):
+    """Something else made of each entry (a span, a log line); must not block."""
+
+    def observe(self, entry: Entry) -> None: ...
+
+
+class Meter:
+    """Turns entries into metrics, passive health reports and usage records,
+    and hands each to the observers."""
+
+    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
+                 observers: Iterable[Observer] = ()) -> None:
+        self.report_failure = report_failure
+        self.sink = sink
+        self.observers = tuple(observers)
+
+    def record(self, entries: Iterable[Entry]) -> None:
+        records = []
+        for e in entries:
+            metrics.ACCESS_LOG_ENTRIES.inc()
+            # Each step on its own: one that fails loses neither this entry's
+            # other accounts nor the rest of the batch.
+            for step in (self._count, *(o.observe for o in self.observers)):
+                try:
+                    step(e)
+                except Exception:
+                    metrics.STREAM_ERRORS.inc()
+                    log.exception("an access-log entry could not be accounted")
+            if self.sink is not None and (rec := usage_record(e)) is not None:
+                records.append(rec)
+        if records and self.sink is not None:
+            try:
+                self.sink.write(records)
+            except OSError as exc:
+                metrics.USAGE_RECORDS_DROPPED.inc(len(records))
+                log.error("usage records could not be written: %s", exc)
+
+    def _count(self, e: Entry) -> None:
+        d = e.decision
+        kind = d.get("kind")
+        backend = d.get("backend")
+        # Passive health blames a backend for what it did: a failed exchange, or
+        # a 5xx it sent. Envoy's own 5xx after the decision (a header it refused
+        # to set, say) is not the backend's: a client could otherwise hold any
+        # backend out at will.
+        failed = e.upstream_failed or (e.status >= 500 and e.via_upstream)
+        if kind in _SENT_KINDS and backend and not e.local_reply and failed:
+            self.report_failure(str(backend), e.status or None)
+        suffix = d.get("suffix")
+        if suffix and kind in _SERVED_KINDS:
+            metrics.VARIANT_REQUESTS.labels(suffix, "true" if d.get("suffix_applied", True) else "false").inc()
+        experiment, variant = d.get("experiment"), d.get("variant")
+        if kind in _SERVED_KINDS and d.get("fallback_to"):
+            metrics.FALLBACKS.labels(experiment or "", variant or "", d.get("fallback_from") or "",
+                                     d["fallback_to"], d.get("fallback_reason") or "").inc()
+        if not experiment or not variant:
+            return
+        if kind in _COUNTED_KINDS:
+            metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
+            duration = e.headers_s if e.headers_s is not None else e.total_s
+            if duration is not None:
+                metrics.EXPERIMENT_DURATION_OF(experiment, variant).observe(duration)
+        if kind == "cache_hit":
+            metrics.EXPERIMENT_CACHE_HITS.labels(experiment, variant).inc()
+            return  # no model ran: no tokens
+        if kind not in ("routed", "answered"):
+            return  # count_tokens reports the size of a prompt nobody ran
+        tokens = billed(e)
+        for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
+            if n:
+                metrics.EXPERIMENT_TOKENS_OF(experiment, variant, name).inc(n)
+                if tokens.estimated:
+                    metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
+
+
+class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's gRPC access-log stream, one per Envoy worker thread."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+        self._closing = asyncio.Event()
+        self._linger = 0.0
+
+    def close(self, linger: float) -> None:
+        """End every stream once it has been quiet for ``linger`` seconds
+        (Envoy then opens a new one, to another worker, for its next entries)."""
+        self._linger = linger
+        self._closing.set()
+
+    async def StreamAccessLogs(self, request_iterator, context):
+        while True:
+            message = await self._next(context)
+            if message is None:
+                break
+            try:
+                self.meter.record(entry_of(x) for x in message.http_logs.log_entry)
+            except Exception:  # accounting never takes the stream down
+                metrics.STREAM_ERRORS.inc()
+                log.exception("access-log batch could not be accounted")
+        return als_pb2.StreamAccessLogsResponse()
+
+    async def _next(self, context):
+        """The next batch, or None at the end of the stream or once closing and quiet."""
+        if not self._closing.is_set():
+            read = asyncio.ensure_future(context.read())
+            closing = asyncio.ensure_future(self._closing.wait())
+            done, _ = await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+            closing.cancel()
+            if read in done:
+                message = read.result()
+                return None if message is grpc.aio.EOF else message
+            read.cancel()
+        try:
+            message = await asyncio.wait_for(context.read(), self._linger)
+        except TimeoutError:
+            return None
+        return None if message is grpc.aio.EOF else message

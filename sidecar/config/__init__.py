@@ -1,0 +1,1 @@
+"""The router config: schema and loading, cross-field rules, edits, limits and the engine table."""

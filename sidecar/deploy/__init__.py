@@ -1,0 +1,1 @@
+"""Generators of Envoy and Kubernetes configuration from a router config."""

@@ -1,0 +1,1 @@
+"""Reading and editing request and response bodies (JSON, SSE, multipart forms)."""

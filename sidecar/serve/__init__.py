@@ -1,0 +1,1 @@
+"""The serving process: gRPC and admin servers, the runtime state, workers, restarts, gRPC auth."""

@@ -1,0 +1,1 @@
+"""Shared state outside the process: the response cache and the Redis store."""
