@@ -267,9 +267,6 @@ def prime(config: Config) -> None:
                     for reason in reasons:
                         FALLBACKS.labels(e.name, v.id, v.model, hop, reason)
     if config.cache is not None:
-        from .stores import cache
-
-        cache.prime(config)
         for e in config.model_experiments:
             for v in e.variants:
                 EXPERIMENT_CACHE_HITS.labels(e.name, v.id)
@@ -277,17 +274,10 @@ def prime(config: Config) -> None:
         for kind, on in (("requests", lim.rate is not None), ("tokens", lim.tokens is not None)):
             if on:
                 LIMIT_REFUSALS.labels(lim.model, lim.key_id or "", kind)
-    _prime_feedback(config)
     if config.proxy.variant_suffixes.enabled:
         for suffix in SUFFIXES:
             for applied in ("true", "false"):
                 VARIANT_REQUESTS.labels(suffix, applied)
-
-
-def _prime_feedback(config: Config) -> None:
-    from .experiments import feedback
-
-    feedback.prime(config)
 
 
 STREAMS_CUT = Counter(

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.accounting import metering
 from sidecar.config.schema import parse
 from sidecar.experiments import feedback, join
 from sidecar.experiments.feedback import Feedback, owner_of
@@ -129,7 +130,7 @@ def test_feedback_needs_declared_metrics_to_record():
 
 
 def test_feedback_usage_record():
-    rec = feedback.usage_record({"kind": "feedback", "feedback_for": "r1", "key_id": "team-a", "experiment": "split",
+    rec = metering.feedback_record({"kind": "feedback", "feedback_for": "r1", "key_id": "team-a", "experiment": "split",
                                  "variant": "control", "feedback_name": "rating", "feedback_value": 4.0,
                                  "feedback_replaces": False, "feedback_comment": "ok", "request_id": "fb-1",
                                  "feedback_revision": 1.0}, 0.0)

@@ -193,10 +193,10 @@ def test_feedback_config_is_checked(extra, fragment):
 def test_the_registry_source_reads_this_process_counters(cfg):
     import asyncio
 
-    from sidecar import metrics
     from sidecar.experiments.feedback import Feedback
+    from sidecar.serve import server
 
-    metrics.prime(cfg)
+    server.prime_metrics(cfg)
     e = cfg.model_experiments[0]
     before, _ = samples.arms_of(cfg, e, samples.registry_samples())
     fb = Feedback()

@@ -29,7 +29,7 @@ import orjson
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from .. import metrics
-from ..handlers.response_stream import NAMESPACE, USAGE_NAMESPACE
+from ..contract import NAMESPACE, USAGE_NAMESPACE
 
 log = logging.getLogger("model_router.metering")
 
@@ -195,6 +195,24 @@ def status_class(entry: Entry) -> str:
     return "success"
 
 
+def feedback_record(decision: Mapping[str, Any], start: float) -> dict[str, Any]:
+    """The usage record of accepted feedback (docs/metering.md)."""
+    return {
+        "request_id": decision.get("feedback_for"),
+        "time": datetime.fromtimestamp(start, UTC).isoformat(timespec="milliseconds"),
+        "key_id": decision.get("key_id"),
+        "kind": "feedback",
+        "experiment_id": decision.get("experiment"),
+        "experiment_variant_id": decision.get("variant"),
+        "name": decision.get("feedback_name"),
+        "value": decision.get("feedback_value"),
+        "replaces": bool(decision.get("feedback_replaces")),
+        "revision": int(decision.get("feedback_revision") or 1),  # the latest revision is the one that counts
+        "comment": decision.get("feedback_comment"),
+        "feedback_request_id": decision.get("request_id"),
+    }
+
+
 def usage_record(entry: Entry) -> dict[str, Any] | None:
     """The usage record of a request the router resolved, or None. Never the key."""
     d = entry.decision
@@ -202,8 +220,6 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
     if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
         return None
     if kind == "feedback":
-        from ..experiments.feedback import usage_record as feedback_record
-
         return feedback_record(d, entry.start)
     tokens = billed(entry)
     return {

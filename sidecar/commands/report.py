@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 import orjson
 
-from ..config.schema import Config, ConfigError, Experiment, load
+from ..config.schema import ConfigError, load
 from ..experiments import readout, records
 from .assign import parse_time
 
@@ -30,22 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--since", metavar="TIME", help="with --usage-records: only records from this unix time or "
                                                    "ISO-8601 instant on (say, the last weight edit)")
     p.add_argument("--json", action="store_true", help="print JSON, as GET /admin/experiments/{E}/report answers")
-
-
-def experiments_of(config: Config, name: str | None) -> list[Experiment]:
-    """The experiments asked for; raises KeyError for an unknown name."""
-    if name is None:
-        return list(config.model_experiments)
-    for e in config.model_experiments:
-        if e.name == name:
-            return [e]
-    raise KeyError(name)
-
-
-def report_from_records(config: Config, experiment: Experiment, rows: list[dict[str, Any]],
-                        since: float | None = None) -> dict[str, Any]:
-    arms, p = records.aggregate(rows, config, experiment, since)
-    return readout.build(config, experiment, arms, p, "usage_records")
 
 
 def _since(text: str) -> float:
@@ -63,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        chosen = experiments_of(config, args.experiment)
+        chosen = records.experiments_of(config, args.experiment)
     except KeyError:
         print(f"error: no experiment named {args.experiment!r} in {args.config}", file=sys.stderr)
         return 1
@@ -71,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         if args.usage_records:
             since = None if args.since is None else _since(args.since)
             rows = list(records.read(args.usage_records))
-            reports = [report_from_records(config, e, rows, since) for e in chosen]
+            reports = [records.report_from_records(config, e, rows, since) for e in chosen]
         else:
             if args.since is not None:
                 raise ValueError("--since reads usage records; with --prometheus, --window sets the period")

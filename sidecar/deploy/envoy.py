@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from ..config.schema import RESERVED_BACKEND_NAME, Config, Server
-from ..handlers.response_stream import RESPONSE_HEADER, USAGE_NAMESPACE
+from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S, REPLY_NAMESPACE, RESPONSE_HEADER, USAGE_NAMESPACE
 from ..routing import snapshot
 from ..routing.snapshot import (
     ATTRIBUTION_HEADERS,
@@ -99,12 +99,6 @@ def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
     return cluster
 
 
-# The decision's metadata namespace (Envoy's own replies: sidecar.deploy.envoy_replies).
-REPLY_NAMESPACE = envoy_replies.NAMESPACE
-# How often Envoy asks each sidecar endpoint whether it serves; a draining
-# worker waits a little longer than this before it stops taking streams.
-HEALTH_INTERVAL_S = 1
-HEALTH_FAILURES = 2  # answers missed or NOT_SERVING before Envoy stops sending streams
 
 
 # The decision's metadata keys that become response headers.

@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..handlers.hop_stream import ATTEMPT_HEADER
-from ..handlers.response_stream import NAMESPACE
+from ..contract import ATTEMPT_HEADER, NAMESPACE
 from ..routing import attempts
 from ..routing.attempts import COMPOSITE_PREFIX
 from ..routing.snapshot import BACKEND_HEADER, Snapshot

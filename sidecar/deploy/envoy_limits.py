@@ -24,9 +24,9 @@ from ..config.limits import (
     index,
 )
 from ..config.schema import RESERVED_BACKEND_NAME, Config
+from ..contract import NAMESPACE as NAMESPACE
 
 _T = "type.googleapis.com/"
-NAMESPACE = "model_router"
 _RAW = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")  # the filter's own names
 REQUEST_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
 TOKEN_HEADERS = {

@@ -15,9 +15,9 @@ are already in shape: the first mapper leaves them as they are.
 
 from __future__ import annotations
 
+from ..contract import REPLY_NAMESPACE as NAMESPACE
 from . import envoy_limits
 
-NAMESPACE = "model_router"
 _ROUTED_MODEL = f"%DYNAMIC_METADATA({NAMESPACE}:client_model)%"
 
 # The OpenAI and Anthropic SDKs retry a 504 unless told not to: a timeout the

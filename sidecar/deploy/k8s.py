@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from ..config.schema import Config
-from ..handlers.response_stream import RESPONSE_HEADER
+from ..contract import RESPONSE_HEADER
 from ..routing.snapshot import BACKEND_HEADER, _split
 from . import k8s_access
 from .envoy import backend_routes

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..handlers.response_stream import RESPONSE_HEADER
+from ..contract import RESPONSE_HEADER
 from ..routing.snapshot import BACKEND_HEADER
 from .envoy import (
     REPLY_NAMESPACE,

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from ..commands.report import experiments_of, report_from_records
 from . import records
 
 
@@ -33,10 +32,10 @@ def _records_path(runtime: Runtime) -> str | None:
 def report(runtime: Runtime, name: str) -> dict[str, Any]:
     """Raises KeyError for an unknown experiment, RecordsError for an unreadable file."""
     config = runtime.snapshot.config
-    experiment = experiments_of(config, name)[0]
+    experiment = records.experiments_of(config, name)[0]
     path = _records_path(runtime)
     if path is not None:
-        return report_from_records(config, experiment, list(records.read(path)))
+        return records.report_from_records(config, experiment, list(records.read(path)))
     from . import samples
 
     return samples.report_from_registry(config, experiment)

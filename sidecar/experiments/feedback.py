@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -221,21 +219,3 @@ def prime(config: Config) -> None:
                     DISTRIBUTION.labels(e.name, v.id, m.name)
     for reason in ("invalid", "unknown", "unavailable"):
         REFUSED.labels(reason)
-
-
-def usage_record(decision: Mapping[str, Any], start: float) -> dict[str, Any]:
-    """The usage record of accepted feedback (docs/metering.md)."""
-    return {
-        "request_id": decision.get("feedback_for"),
-        "time": datetime.fromtimestamp(start, UTC).isoformat(timespec="milliseconds"),
-        "key_id": decision.get("key_id"),
-        "kind": "feedback",
-        "experiment_id": decision.get("experiment"),
-        "experiment_variant_id": decision.get("variant"),
-        "name": decision.get("feedback_name"),
-        "value": decision.get("feedback_value"),
-        "replaces": bool(decision.get("feedback_replaces")),
-        "revision": int(decision.get("feedback_revision") or 1),  # the latest revision is the one that counts
-        "comment": decision.get("feedback_comment"),
-        "feedback_request_id": decision.get("request_id"),
-    }

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from . import srm
+from . import readout, srm
 from .readout import ArmData, feedback_key
 from .sequential import Moments
 
@@ -148,3 +148,19 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config, experiment: 
     counts = [len(arms[v.id].served_callers) for v in experiment.variants]
     p = srm.p_value(counts, [v.race_weight for v in experiment.variants])
     return out, None if math.isnan(p) else p
+
+
+def experiments_of(config: Config, name: str | None) -> list[Experiment]:
+    """The experiments asked for; raises KeyError for an unknown name."""
+    if name is None:
+        return list(config.model_experiments)
+    for e in config.model_experiments:
+        if e.name == name:
+            return [e]
+    raise KeyError(name)
+
+
+def report_from_records(config: Config, experiment: Experiment, rows: list[dict[str, Any]],
+                        since: float | None = None) -> dict[str, Any]:
+    arms, p = aggregate(rows, config, experiment, since)
+    return readout.build(config, experiment, arms, p, "usage_records")

@@ -19,13 +19,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from .. import metrics
+from ..contract import ATTEMPT_HEADER as ATTEMPT_HEADER
 from ..routing.retarget import retarget
 from ..routing.snapshot import Snapshot
 from .response_stream import NAMESPACE, header_map
 
 log = logging.getLogger("model_router.hop_stream")
 
-ATTEMPT_HEADER = "x-envoy-attempt-count"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 

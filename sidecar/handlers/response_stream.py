@@ -25,12 +25,11 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from .. import errors
+from ..contract import NAMESPACE as NAMESPACE
+from ..contract import RESPONSE_HEADER as RESPONSE_HEADER
+from ..contract import USAGE_NAMESPACE as USAGE_NAMESPACE
 from ..payload.rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
 from ..stores.cache import Entry, storable
-
-NAMESPACE = "model_router"
-USAGE_NAMESPACE = "model_router_usage"
-RESPONSE_HEADER = "x-model-router-response"
 
 
 def _mode(response_body: int, trailers: int = pm.ProcessingMode.SKIP) -> pm.ProcessingMode:

@@ -14,26 +14,15 @@ from urllib.parse import urlsplit
 from ..config import limits as limit_rules
 from ..config.limits import Rule
 from ..config.schema import ApiKey, Backend, Config, Experiment, ModelMetadata
+from ..contract import ADMIN_TOKEN_HEADER as ADMIN_TOKEN_HEADER
+from ..contract import ATTRIBUTION_HEADERS as ATTRIBUTION_HEADERS
+from ..contract import BACKEND_HEADER as BACKEND_HEADER
+from ..contract import CACHE_HEADER as CACHE_HEADER
+from ..contract import CLIENT_ROUTER_HEADERS as CLIENT_ROUTER_HEADERS
+from ..contract import EXPLAIN_HEADER as EXPLAIN_HEADER
+from ..contract import ROUTER_HEADER_PREFIXES as ROUTER_HEADER_PREFIXES
 from ..payload import response_ids
 from .assignment import Race, salt_prefix
-
-BACKEND_HEADER = "x-model-router-backend"
-# Request headers in these namespaces belong to the router: Envoy drops any
-# client copy before the first filter, so none reaches the sidecar or a backend...
-ROUTER_HEADER_PREFIXES = ("x-model-router-", "x-continuum-")
-# ...except these, which an operator sends to ask for a request's decision
-# trace: they reach the sidecar, which acts on them only with the admin
-# token, and never a backend.
-EXPLAIN_HEADER = "x-model-router-explain"
-CACHE_HEADER = "x-model-router-cache"  # hit | miss | bypass, on answers the response cache could serve
-ADMIN_TOKEN_HEADER = "x-model-router-admin-token"
-CLIENT_ROUTER_HEADERS = (EXPLAIN_HEADER, ADMIN_TOKEN_HEADER)
-# Response headers the router sets on a request; upstream copies are dropped.
-ATTRIBUTION_HEADERS = (
-    "x-continuum-experiment", "x-continuum-experiment-variant",
-    "x-continuum-model-variant", "x-continuum-model-variant-applied", "x-continuum-fallback-model",
-    EXPLAIN_HEADER, CACHE_HEADER,
-)
 
 
 @dataclass(frozen=True)

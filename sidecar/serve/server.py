@@ -30,18 +30,27 @@ from ..accounting.metering import AccessLogService, JsonLinesSink, Meter
 from ..accounting.tracing import Tracer
 from ..config import guard as config_guard
 from ..config import schema as config_mod
-from ..deploy.envoy import HEALTH_FAILURES, HEALTH_INTERVAL_S
+from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from ..experiments import diff as experiments_diff
-from ..experiments import srm
+from ..experiments import feedback, srm
 from ..handlers.extproc import Processor
 from ..handlers.ratelimit import RateLimitService
 from ..payload import response_ids
 from ..routing import admin_token, explain, listing, snapshot
+from ..stores import cache
 from . import admin_config, grpc_auth, workers
 
 log = logging.getLogger("model_router.server")
 
 _ADMIN_BODY_LIMIT = 16 * 1024 * 1024  # a config or a request to explain
+
+
+def prime_metrics(config: config_mod.Config) -> None:
+    """Every labelled series a config implies, at zero: the router's own, the cache's and feedback's."""
+    metrics.prime(config)
+    if config.cache is not None:
+        cache.prime(config)
+    feedback.prime(config)
 
 
 class Runtime:
@@ -72,7 +81,7 @@ class Runtime:
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
         self.budgets = Budgets(lambda: self.snapshot)
-        metrics.prime(loaded.config)
+        prime_metrics(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
 
@@ -176,7 +185,7 @@ class Runtime:
         for w in loaded.warnings:
             log.warning("config: %s", w)
         self.snapshot = new
-        metrics.prime(loaded.config)
+        prime_metrics(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
         log.info("config reloaded from %s", self.path)
