@@ -35,12 +35,10 @@ from ..backends import websearch
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
 from ..payload import response_ids
-from ..payload.body import named_models_or_error
 from ..payload.json_budget import Budget
 from ..payload.rewrite import rewrite_json_body
-from ..routing import explain, listing
-from ..routing.ingress import canonical, family_for, follow_up, lookup, path_problem
-from ..routing.ingress import listing_path as listing_of
+from ..routing import dispatch, explain
+from ..routing.ingress import canonical, family_for
 from ..routing.limits import refusal as budget_refusal
 from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
 from ..routing.trace import Trace
@@ -57,6 +55,7 @@ from .response_stream import (
     silence_limit,
     usage_metadata,
 )
+from .runtime import HandlerRuntime
 
 log = logging.getLogger("model_router.extproc")
 
@@ -112,12 +111,13 @@ class _Stream:
     """Per-request state kept for the life of one ext_proc stream."""
 
     __slots__ = (
-        "snap", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
+        "snap", "head", "ingress", "family", "passthrough", "headers", "header_count", "header_bytes",
         "raw_path", "path", "caller", "route", "trace", "span_id",
     )
 
     def __init__(self) -> None:
         self.snap = None
+        self.head: dispatch.Head | None = None
         self.ingress = None
         self.family = "openai"
         self.passthrough = False
@@ -201,7 +201,7 @@ async def _next(messages, timeout: float | None):
 
 
 class Processor(pbg.ExternalProcessorServicer):
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime: HandlerRuntime) -> None:
         self.runtime = runtime
         self._counter = 0
         self._rand = random.Random(os.urandom(16))
@@ -326,43 +326,32 @@ class Processor(pbg.ExternalProcessorServicer):
         st.snap = snap = self.runtime.snapshot
         st.headers = h = _read_headers(st, msg)
         st.raw_path = h.get(":path", "/")
-        st.path = canonical(st.raw_path)
-        st.family = family = family_for(st.path)
-        problem = path_problem(st.raw_path)
-        if problem is not None:
-            return self._refuse(errors.error("invalid_request", problem, family), st)
-        st.ingress = ingress = lookup(st.path)
         if EXPLAIN_HEADER in h and explain.wanted(h, snap.config.server.admin_token):
             st.trace = Trace()
-        caller = routing.authenticate(snap, h, family, st.trace)
-        if isinstance(caller, Reply):
-            return self._refuse(caller, st)
-        st.caller = caller
-        encoding = h.get("content-encoding", "identity").strip().lower()
-        if not msg.end_of_stream and encoding not in ("", "identity"):
-            return self._refuse(errors.unsupported_encoding(encoding, family), st)
-        length = h.get("content-length")
-        if length is not None and length.isdigit() and int(length) > snap.max_body_bytes:
-            return self._refuse(self._too_large(st), st)
-        if ingress is None and (about := follow_up(st.path)) is not None:
-            return self._follow_up(st, *about)
-        if ingress is None and snap.config.feedback_metrics and is_feedback(st.path):
+        st.head = head = dispatch.at_headers(snap, st.raw_path, h, h.get(":method", "GET"),
+                                             body_follows=not msg.end_of_stream, trace=st.trace)
+        st.path, st.family, st.ingress = head.path, head.family, head.ingress
+        if head.kind == "refused":
+            assert isinstance(head.outcome, Reply)
+            return self._refuse(head.outcome, st)
+        st.caller = head.caller
+        if head.kind == "follow_up":
+            return self._routed_now(st, head.outcome, "follow_up")
+        if head.kind == "passthrough" and snap.config.feedback_metrics and is_feedback(st.path):
             return self._feedback_headers(st, msg)  # without feedback metrics the path is the backends' own
-        if ingress is None:
-            listing_path = listing_of(st.path)
-            if listing_path is not None:
-                metrics.DECISIONS.labels("listing").inc()
-                return immediate(listing.answer(snap, listing_path, h.get(":method", "GET"), caller.key),
-                                 {**st.meta(), "kind": "listing"})
+        if head.kind == "listing":
+            assert isinstance(head.outcome, Reply)
+            metrics.DECISIONS.labels("listing").inc()
+            return immediate(head.outcome, {**st.meta(), "kind": "listing"})
+        if head.kind == "passthrough":
             st.passthrough = True
+            if isinstance(head.outcome, Reply):
+                return self._refuse(head.outcome, st)
             if msg.end_of_stream:
                 return self._pass(st, b"", phase="headers")
-            # Refuse early what no body can change (passthrough off, a restricted key).
-            early = routing.passthrough(snap, st.path, caller, family, [])
-            if isinstance(early, Reply):
-                return self._refuse(early, st)
             return _BODY_NEXT
-        if ingress.body == "query" or msg.end_of_stream:
+        assert st.ingress is not None
+        if st.ingress.body == "query" or msg.end_of_stream:
             # No body will follow: decide now.
             return self._decide(st, b"", phase="headers")
         return _BODY_NEXT
@@ -374,44 +363,29 @@ class Processor(pbg.ExternalProcessorServicer):
 
     def _pass(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         """A path outside the ingress table, judged on the models it names."""
-        if len(body) > st.snap.max_body_bytes:
-            return self._refuse(self._too_large(st), st)
-        models = named_models_or_error(st.path, body, st.headers.get("content-type", ""))
-        route = routing.passthrough(st.snap, st.path, st.caller, st.family, models)
-        if isinstance(route, Reply):
-            return self._refuse(route, st)
-        metrics.DECISIONS.labels("passthrough").inc()
-        return self._routed(st, route, phase)
+        route = dispatch.at_body(st.snap, st.head, body, st.headers, dispatch.Live(), st.trace)
+        return self._routed_now(st, route, "passthrough", phase)
 
-    def _follow_up(self, st: _Stream, response_id: str, about: str) -> pb.ProcessingResponse:
-        """A call about one stored response, routed by its id at the headers."""
-        route = routing.follow_up(st.snap, st.path, response_id, about, st.caller)
+    def _routed_now(self, st: _Stream, route: routing.Route | Reply | None, kind: str,
+                    phase: str = "headers") -> pb.ProcessingResponse:
+        assert route is not None
         if isinstance(route, Reply):
             return self._refuse(route, st)
-        metrics.DECISIONS.labels("follow_up").inc()
-        return self._routed(st, route, phase="headers")
+        metrics.DECISIONS.labels(kind).inc()
+        return self._routed(st, route, phase)
 
     def _too_complex(self, st: _Stream) -> Reply:
         return errors.error("invalid_json", f"The request body has more than {self.json_budget.max_members} JSON "
                             "object members; the router does not read it.", st.family, param=None)
 
-    @staticmethod
-    def _too_large(st: _Stream) -> Reply:
-        return errors.too_large(st.snap.max_body_bytes, st.family)
-
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
-        snap = st.snap
-        if len(body) > snap.max_body_bytes:
-            return self._refuse(self._too_large(st), st)
         self._counter += 1
-        req = routing.Request(
-            ingress=st.ingress, path=st.path, headers=st.headers, body=body, caller=st.caller,
+        live = dispatch.Live(
             now=time.time(), pick=self._counter, rand=self._rand.random(),
-            states=self.runtime.backend_states(), mono=time.monotonic(), trace=st.trace,
-            spent=self.runtime.budgets.spent,
+            states=self.runtime.backend_states(), mono=time.monotonic(), spent=self.runtime.budgets.spent,
         )
         try:
-            route = routing.decide(snap, req)
+            route = dispatch.at_body(st.snap, st.head, body, st.headers, live, st.trace)
         except Exception:
             log.exception("decision failed for %s", st.path.partition("?")[0])
             route = errors.error("internal", "The router could not process this request.", st.family)

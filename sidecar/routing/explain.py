@@ -1,7 +1,8 @@
 """Decision explain: a request's routing decision, traced, and nothing dispatched.
 
 :func:`explain` runs the request path's own stages (the key gate, the
-listing and passthrough rules, :func:`sidecar.routing.decide`) on a request
+listing, follow-up and passthrough rules, :func:`sidecar.routing.decide`, all
+through :mod:`sidecar.routing.dispatch` as the ext_proc handler runs them) on a request
 described as a client would send it, with a :class:`~sidecar.routing.trace.Trace`
 that every stage fills. ``POST /admin/explain`` answers it with the
 monitor's live states, ``model-router explain`` offline without them, and a
@@ -15,7 +16,6 @@ them.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,11 +23,7 @@ from typing import Any
 
 import orjson
 
-from .. import errors, routing
-from ..payload.body import named_models_or_error
-from . import admin_token, listing
-from .ingress import canonical, family_for, lookup, path_problem
-from .ingress import listing_path as listing_of
+from . import admin_token, dispatch
 from .selection import BackendView
 from .snapshot import EXPLAIN_HEADER as HEADER
 from .snapshot import ROUTER_HEADER_PREFIXES, Snapshot
@@ -108,42 +104,10 @@ def _run(
     snap: Snapshot, spec: RequestSpec, headers: dict[str, str], trace: Trace,
     states: Mapping[str, BackendView], now: float, mono: float,
 ) -> None:
-    """The adapter's stages, in the adapter's order."""
-    path = canonical(spec.path)
-    ingress, family = lookup(path), family_for(path)
-    problem = path_problem(spec.path)
-    if problem is not None:
-        trace.stage("ingress", f"refused: {problem}", path=spec.path)
-        trace.conclude(errors.error("invalid_request", problem, family))
+    """The request path's own dispatch, traced."""
+    head = dispatch.at_headers(snap, spec.path, headers, spec.method, body_follows=bool(spec.body), trace=trace)
+    if head.outcome is not None:
+        trace.conclude(head.outcome)
         return
-    trace.stage("ingress", f"{ingress.path} ({family}, {ingress.body} body)" if ingress is not None
-                else "not a model endpoint", path=path, family=family)
-    caller = routing.authenticate(snap, headers, family, trace)
-    if isinstance(caller, errors.Reply):
-        trace.conclude(caller)
-        return
-    if ingress is None:
-        listed = listing_of(path)
-        if listed is not None:
-            trace.stage("listing", f"{listed}: answered by the sidecar, filtered for the key")
-            trace.conclude(listing.answer(snap, listed, spec.method, caller.key))
-            return
-        models = named_models_or_error(path, spec.body, headers.get("content-type", ""))
-        if isinstance(models, list):
-            trace.stage("passthrough", f"names the models {models}" if models else "names no model", models=models)
-        else:
-            trace.stage("passthrough", f"refused: {models}")
-        trace.conclude(routing.passthrough(snap, path, caller, family, models))
-        return
-    encoding = headers.get("content-encoding", "identity").strip().lower()
-    if spec.body and encoding not in ("", "identity"):
-        trace.conclude(errors.unsupported_encoding(encoding, family))
-        return
-    if len(spec.body) > snap.max_body_bytes:
-        trace.conclude(errors.too_large(snap.max_body_bytes, family))
-        return
-    req = routing.Request(
-        ingress=ingress, path=path, headers=headers, body=spec.body, caller=caller, now=now,
-        pick=0, rand=random.random(), random_bytes=os.urandom, states=states, mono=mono, trace=trace,
-    )
-    trace.conclude(routing.decide(snap, req))
+    live = dispatch.Live(now=now, mono=mono, rand=random.random(), states=states)
+    trace.conclude(dispatch.at_body(snap, head, spec.body, headers, live, trace))

@@ -20,11 +20,17 @@ from .trace import AttemptTrace
 class BackendView(Protocol):
     """What the monitor knows about a backend (``monitor.BackendState``)."""
 
-    healthy: bool
-    held_out_until: float
-    throughput_tps: float | None
-    waiting: float | None
-    scraped_at: float | None
+    # Read-only, so the monitor's frozen ``BackendState`` satisfies it.
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def held_out_until(self) -> float: ...
+    @property
+    def throughput_tps(self) -> float | None: ...
+    @property
+    def waiting(self) -> float | None: ...
+    @property
+    def scraped_at(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)

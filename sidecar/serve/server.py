@@ -13,6 +13,7 @@ import tracemalloc
 from collections.abc import Mapping
 from pathlib import Path
 
+import aiohttp
 import grpc
 import orjson
 from aiohttp import web
@@ -28,6 +29,7 @@ from ..accounting.logs import DecisionLog, announce, fatal
 from ..accounting.logs import setup as setup_logging
 from ..accounting.metering import AccessLogService, JsonLinesSink, Meter
 from ..accounting.tracing import Tracer
+from ..backends.monitor import BackendState
 from ..config import guard as config_guard
 from ..config import schema as config_mod
 from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S
@@ -95,10 +97,8 @@ class Runtime:
             raise SystemExit(f"error: {exc}") from None
         return response_ids.derive(secret) if secret else response_ids.PROCESS_KEY
 
-    def http_session(self):
+    def http_session(self) -> aiohttp.ClientSession:
         """One client session for the sidecar's own upstream calls (the :online loop)."""
-        import aiohttp
-
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession()
         return self._http
@@ -134,7 +134,7 @@ class Runtime:
             log.info("%d requests served: asking for a replacement", self.requests)
             workers.notify("recycle")
 
-    def backend_states(self):
+    def backend_states(self) -> Mapping[str, BackendState]:
         return self.monitor.states if self.monitor is not None else {}
 
     def report_response(self, backend: str, status: int | None) -> None:

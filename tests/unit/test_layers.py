@@ -103,3 +103,14 @@ def test_the_check_sees_an_upward_import(tmp_path):
     fake.write_text("from ..handlers import extproc\n")
     assert _imports("sidecar.routing.x", fake) == {"sidecar.handlers.extproc"}
     assert _rank("sidecar.handlers.extproc") < _rank("sidecar.routing.x")
+
+
+def test_the_monitor_state_is_a_routing_backend_view():
+    # Routing reads backends through a protocol; the monitor's state must satisfy it
+    # (mypy checks the same when both sides are typed).
+    from sidecar.backends.monitor import BackendState
+    from sidecar.routing.selection import BackendView
+
+    members = [name for name in dir(BackendView) if not name.startswith("_")]
+    state = BackendState("a")
+    assert members and all(hasattr(state, name) for name in members)
