@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .config.schema import Config
 
 # A *_created series per label set doubles what a scrape carries and no query here uses it.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
@@ -202,7 +202,7 @@ class Children:
     __slots__ = ("metric", "_known")
     LIMIT = 10_000  # label sets kept before starting over (they come from config and closed sets)
 
-    def __init__(self, metric) -> None:
+    def __init__(self, metric: Counter | Gauge | Histogram) -> None:
         self.metric = metric
         self._known: dict[tuple[str, ...], Any] = {}
 

@@ -55,7 +55,7 @@ from ..config.engines import (
 )
 from ..config.schema import Monitor as MonitorConfig
 from ..metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
-from ..routing.selection import admissible
+from ..routing.selection import admissible, fresh
 from ..routing.snapshot import BackendInfo, Snapshot
 
 __all__ = [
@@ -119,7 +119,7 @@ class BackendState:
 
     def fresh(self, now: float, freshness_s: float) -> bool:
         """Whether the latest successful scrape is at most ``freshness_s`` old at ``now``."""
-        return self.scraped_at is not None and now - self.scraped_at <= freshness_s
+        return fresh(self.scraped_at, now, freshness_s)
 
     def admissible(self, now: float, max_waiting: int | None, freshness_s: float | None = None) -> bool:
         """:func:`sidecar.routing.admissible`, the rule routing applies too."""
@@ -247,8 +247,8 @@ class Monitor:
         self._states: Mapping[str, BackendState] = MappingProxyType({})
         self._discovered: dict[str, tuple[str, ...]] = {}
         self._gauged: set[str] = set()  # backends with a METRICS_MISSING series
-        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
-        self._supervisor: asyncio.Task | None = None
+        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._supervisor: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False
 
@@ -424,7 +424,7 @@ class Monitor:
     def _state_of(self, name: str, track: _Track, now: float, mon: MonitorConfig) -> BackendState:
         if not self._enabled:
             return BackendState(name)
-        fresh = track.scraped_at is not None and now - track.scraped_at <= mon.freshness_s
+        is_fresh = fresh(track.scraped_at, now, mon.freshness_s)
         return BackendState(
             name=name,
             healthy=track.probe_ok,
@@ -434,9 +434,9 @@ class Monitor:
             models_ok=track.models_ok,
             engine=track.engine,
             metrics=track.metrics,
-            throughput_tps=track.tps if fresh else None,
-            waiting=track.waiting if fresh else None,
-            running=track.running if fresh else None,
+            throughput_tps=track.tps if is_fresh else None,
+            waiting=track.waiting if is_fresh else None,
+            running=track.running if is_fresh else None,
             scraped_at=track.scraped_at,
         )
 
@@ -501,7 +501,7 @@ class Monitor:
             return None if track is None else track.generation
 
     async def _get(
-        self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict | None = None,
+        self, info: BackendInfo, path: str, mon: MonitorConfig, params: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> bytes:
         """GET a backend path within ``timeout_s`` (default ``monitor.timeout_s``); the body

@@ -144,13 +144,13 @@ class Loop:
     backend: BackendInfo
     path: str
     headers: dict[str, str]
-    request: dict
+    request: dict[str, Any]
     requested: str
     usage: dict[str, int] = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0})
     sources: list[Source] = field(default_factory=list)
     iterations: int = 0
 
-    async def call(self, session: aiohttp.ClientSession, body: dict) -> dict:
+    async def call(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, Any]:
         b = self.backend
         url = f"{'https' if b.tls else 'http'}://{b.host}:{b.port}"
         timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
@@ -180,7 +180,7 @@ class Loop:
             raise UpstreamError(502, "the model's backend answered without choices")
         return data
 
-    async def run(self, session: aiohttp.ClientSession) -> dict:
+    async def run(self, session: aiohttp.ClientSession) -> dict[str, Any]:
         messages = list(self.request.get("messages") or [])
         client_tools = [t for t in (self.request.get("tools") or []) if not _is_ours(t)]
         base = {k: v for k, v in self.request.items() if k not in ("stream", "stream_options")}
@@ -209,7 +209,7 @@ class Loop:
             body.pop("tool_choice", None)
         return await self.call(session, body)
 
-    async def _run_search(self, session: aiohttp.ClientSession, call: dict) -> list[Result]:
+    async def _run_search(self, session: aiohttp.ClientSession, call: dict[str, Any]) -> list[Result]:
         args = (call.get("function") or {}).get("arguments")
         try:
             query = orjson.loads(args).get("query") if isinstance(args, str) else None
@@ -230,7 +230,7 @@ class Loop:
                 known.add(r.url)
         return results
 
-    def finish(self, data: dict) -> dict:
+    def finish(self, data: dict[str, Any]) -> dict[str, Any]:
         data["model"] = self.requested
         data["usage"] = dict(self.usage)
         message = data["choices"][0].setdefault("message", {})
@@ -254,7 +254,7 @@ def _call_name(call: Any) -> str | None:
 
 async def run(
     session: aiohttp.ClientSession, cfg: WebSearch, backend: BackendInfo, path: str,
-    headers: dict[str, str], request: dict, requested: str,
+    headers: dict[str, str], request: dict[str, Any], requested: str,
 ) -> Reply:
     """Run the loop and build the client's answer (or a clear error)."""
     loop = Loop(cfg, backend, path, headers, request, requested)
@@ -266,7 +266,7 @@ async def run(
         return errors.error("bad_gateway", f"Web search failed: {exc}.", "openai")
     except UpstreamError as exc:
         metrics.WEB_SEARCH_REQUESTS.labels("upstream_error").inc()
-        kind = "gateway_timeout" if exc.status == 504 else "bad_gateway"
+        kind: errors.Kind = "gateway_timeout" if exc.status == 504 else "bad_gateway"
         return errors.error(kind, f"The :online request failed: {exc}.", "openai")
     except TimeoutError:
         metrics.WEB_SEARCH_REQUESTS.labels("deadline").inc()

@@ -57,9 +57,9 @@ def _quiet_grpc_for_json(argv: list[str]) -> None:
 
 def cmd_serve(args) -> int:
     from ..accounting.logs import setup as setup_logging
-    from ..deploy.envoy import standby_addresses
     from ..serve import workers as workers_mod
-    from ..serve.server import serve, worker_addresses
+    from ..serve.server import serve
+    from ..serve.workers import standby_addresses, worker_addresses
 
     loaded = load_config(args.config)
     if loaded is None:
@@ -133,7 +133,7 @@ def _envoy_secret(cfg, path: str | None, create: bool) -> str | None:
 def cmd_envoy_config(args) -> int:
     from ..deploy import envoy as envoyconf
     from ..serve import grpc_auth
-    from ..serve.server import worker_addresses
+    from ..serve.workers import worker_addresses
 
     loaded = load_config(args.config)
     if loaded is None:

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
 from . import schema as config_mod
@@ -75,7 +76,7 @@ def set_paused(text: str, experiment: str, variant: str, paused: bool) -> tuple[
         if not isinstance(e, dict) or e.get("name") != experiment:
             continue
         for v in e.get("variants") or []:
-            if not isinstance(v, dict) or v.get("id") != variant:
+            if not isinstance(v, CommentedMap) or v.get("id") != variant:
                 continue
             if bool(v.get("paused", False)) == paused:
                 return text, False
@@ -93,7 +94,7 @@ def set_paused(text: str, experiment: str, variant: str, paused: bool) -> tuple[
 # --------------------------------------------------------------------------- secrets
 
 
-def _secret_fields(doc: dict) -> list[tuple[str, Any, Any]]:
+def _secret_fields(doc: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(field path, container, key) of every value that may hold a secret."""
     out: list[tuple[str, Any, Any]] = []
     server = doc.get("server")

@@ -55,7 +55,3 @@ def index(config: Config) -> Mapping[str, tuple[Rule, ...]]:
     for lim in config.limits:
         by_model.setdefault(lim.model, []).append(rule_of(lim))
     return MappingProxyType({m: tuple(sorted(rs, key=lambda r: r.key_id is not None)) for m, rs in by_model.items()})
-
-
-def budget_rules(config: Config) -> list[Rule]:
-    return [r for rs in index(config).values() for r in rs if r.tokens is not None]

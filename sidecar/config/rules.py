@@ -155,7 +155,7 @@ def _check_variants(
                 else:
                     pinned.append(b)
             if pinned and len(pinned) == len(v.backends) and all(b.models is not None for b in pinned):
-                if not any(v.model in b.models for b in pinned):
+                if not any(v.model in (b.models or ()) for b in pinned):
                     errors.append(f"{vp}.model: none of the pinned backends lists '{v.model}'")
     if e.sticky_key == "none" and e.sticky_ttl is not None:
         warnings.append(f"{p}.sticky_ttl: has no effect with sticky_key: none")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,6 +34,7 @@ from pydantic import (
 )
 
 from ..payload.body import has_control
+from . import address
 from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
 
 # Matched against the whole string (fullmatch): "$" alone would accept a
@@ -76,8 +78,8 @@ def parse_duration(value: Any) -> int:
 
 
 def _listen(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    host, _ = address.split(value)
+    if not host:
         raise ValueError("must be host:port")
     return value
 
@@ -623,7 +625,7 @@ class Loaded:
 # --------------------------------------------------------------------------- loading
 
 
-def _path(loc: tuple, key_error: bool = False) -> str:
+def _path(loc: tuple[int | str, ...], key_error: bool = False) -> str:
     """A pydantic location as the operator wrote it: ``backends[0].url``.
 
     Pydantic marks an error in a mapping's key by appending ``"[key]"``; a
@@ -642,13 +644,13 @@ def _path(loc: tuple, key_error: bool = False) -> str:
     return out or "(root)"
 
 
-def _is_key_error(err: dict) -> bool:
+def _is_key_error(err: Mapping[str, Any]) -> bool:
     # A key error's input is the key itself, which stands just before the marker.
     loc = err["loc"]
     return len(loc) >= 2 and loc[-1] == "[key]" and err.get("input") == loc[-2]
 
 
-def _message(err: dict) -> str:
+def _message(err: Mapping[str, Any]) -> str:
     kind = err.get("type", "")
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
@@ -676,10 +678,10 @@ def _message(err: dict) -> str:
         return simple[kind]
     if kind == "value_error":
         return str(ctx.get("error", err.get("msg")))
-    return err.get("msg", "invalid value")
+    return str(err.get("msg", "invalid value"))
 
 
-def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str], seen: list[tuple[str, str]]) -> Any:
+def _substitute(node: Any, path: tuple[int | str, ...], errors: list[str], env: dict[str, str], seen: list[tuple[str, str]]) -> Any:
     """``${ENV}`` references expanded; ``seen`` collects (value, reference) so no
     error or answer shows the value."""
     if isinstance(node, dict):
@@ -688,7 +690,7 @@ def _substitute(node: Any, path: tuple, errors: list[str], env: dict[str, str], 
         return [_substitute(v, path + (i,), errors, env, seen) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
 
-        def repl(m: re.Match) -> str:
+        def repl(m: re.Match[str]) -> str:
             name, default = m.group(1), m.group(2)
             if name in env:
                 seen.append((env[name], m.group(0)))

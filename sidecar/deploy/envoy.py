@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from ..config import address
 from ..config.schema import RESERVED_BACKEND_NAME, Config, Server
 from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S, REPLY_NAMESPACE, RESPONSE_HEADER, USAGE_NAMESPACE
 from ..routing import snapshot
@@ -35,15 +36,15 @@ from ..routing.snapshot import (
     ROUTER_HEADER_PREFIXES,
     _split,
 )
-from ..serve import grpc_auth
+from ..serve import grpc_auth, workers
 from . import envoy_fallback, envoy_limits, envoy_replies
 
 _T = "type.googleapis.com/"
 
 
 def _addr(listen: str) -> dict:
-    host, _, port = listen.rpartition(":")
-    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+    host, port = address.split(listen)
+    return {"socket_address": {"address": host, "port_value": port}}
 
 
 def _is_ip(host: str) -> bool:
@@ -336,7 +337,7 @@ def json_usage_filter() -> dict:
 
 def _sse_usage_filter() -> dict:
     # Work in progress in Envoy 1.40 (it warns at start); its protos are not in
-    # xds-protos yet, so the shape is pinned by tests/test_metering.py.
+    # xds-protos yet, so the shape is pinned by tests/integration/test_metering.py.
     return {
         "name": "envoy.filters.http.sse_to_metadata",
         "typed_config": {
@@ -480,16 +481,6 @@ def header_guard() -> dict:
     }
 
 
-def standby_addresses(addresses: Sequence[str]) -> list[str]:
-    """Where each recycling worker's replacement listens: its port plus the
-    number of workers (generations alternate between the two)."""
-    out = []
-    for a in addresses:
-        host, _, port = a.rpartition(":")
-        out.append(f"{host}:{int(port) + len(addresses)}")
-    return out
-
-
 def bootstrap(
     config: Config,
     *,
@@ -511,7 +502,7 @@ def bootstrap(
     urls = dict(backend_urls or {})
     server = config.server
     sidecars = list(sidecar_addresses or [server.grpc_listen])
-    endpoints = sidecars + (standby_addresses(sidecars) if server.max_requests_per_worker else [])
+    endpoints = sidecars + (workers.standby_addresses(sidecars) if server.max_requests_per_worker else [])
     buffer_limit = buffer_limit_bytes(server)
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"
@@ -609,7 +600,7 @@ def bootstrap(
             **_sidecar_guards(server, len(sidecars)),
         }
     ]
-    if not all(_is_ip(a.rpartition(":")[0].strip("[]")) for a in sidecars):
+    if not all(_is_ip(address.host_of(a)) for a in sidecars):
         clusters[0]["type"] = "STRICT_DNS"
     for b in config.backends:
         url = urls.get(b.name, b.url)

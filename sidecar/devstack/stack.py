@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import address
 from ..config import schema as config_mod
 from ..deploy import envoy as envoyconf
 from ..serve import grpc_auth
@@ -169,7 +170,7 @@ class Stack:
         if self.envoy_concurrency is None:
             self.envoy_concurrency = cfg.envoy.concurrency
         if self.config_ports:
-            from ..serve.server import worker_addresses
+            from ..serve.workers import worker_addresses
 
             self.listen = self.listen or cfg.envoy.listen
             self.sidecar_grpc, self.sidecar_admin = worker_addresses(
@@ -180,7 +181,7 @@ class Stack:
                 if not port_free(addr):
                     raise StackError(f"{addr} is already in use (is another model-router or Envoy running?)")
         elif self.supervised:
-            from ..serve.server import worker_addresses
+            from ..serve.workers import worker_addresses
 
             self.listen = self.listen or f"127.0.0.1:{free_port()}"
             self.sidecar_grpc, self.sidecar_admin = worker_addresses(
@@ -481,9 +482,9 @@ def _answers(url: str) -> bool:
 
 
 def _accepting(addr: str) -> bool:
-    host, _, port = addr.rpartition(":")
+    host, port = address.split(addr)
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -491,12 +492,12 @@ def _accepting(addr: str) -> bool:
 
 def wait_tcp(addr: str, deadline: float, alive: Callable[[], None] | None = None) -> bool:
     """Poll until something accepts connections on ``addr`` (True) or ``deadline`` passes."""
-    host, _, port = addr.rpartition(":")
+    host, port = address.split(addr)
     while True:
         if alive is not None:
             alive()
         try:
-            with socket.create_connection((host, int(port)), timeout=1):
+            with socket.create_connection((host, port), timeout=1):
                 return True
         except OSError:
             if time.monotonic() > deadline:

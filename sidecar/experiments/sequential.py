@@ -20,7 +20,7 @@ The values of ``theta`` not rejected form the interval
 which covers the true difference at every look at once with probability at
 least ``1 - alpha``. ``V`` is the plug-in ``s_c^2 / n_c + s_t^2 / n_t``;
 with tens of observations per arm and up this is close to the known-variance
-case the guarantee is proved for (``tests/test_sequential.py`` measures it).
+case the guarantee is proved for (``tests/unit/test_sequential.py`` measures it).
 
 ``tau2`` only decides at which sample size the interval is tightest, never its
 validity; it is set so that this happens near :data:`TUNED_N` observations per

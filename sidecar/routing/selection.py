@@ -41,13 +41,14 @@ class Load:
     waiting: float | None = None
 
 
-def fresh(state: BackendView, now: float, freshness_s: float) -> bool:
-    """Whether the backend's latest scrape is at most ``freshness_s`` old."""
-    return state.scraped_at is not None and now - state.scraped_at <= freshness_s
+def fresh(scraped_at: float | None, now: float, freshness_s: float | None) -> bool:
+    """Whether a backend's latest scrape is at most ``freshness_s`` old (any age when None).
+    The one freshness rule: routing, the monitor's published state and its reports use it."""
+    return scraped_at is not None and (freshness_s is None or now - scraped_at <= freshness_s)
 
 
 def fresh_load(state: BackendView | None, now: float, freshness_s: float) -> Load:
-    if state is None or not fresh(state, now, freshness_s):
+    if state is None or not fresh(state.scraped_at, now, freshness_s):
         return Load()
     return Load(state.throughput_tps, state.waiting)
 
@@ -67,7 +68,7 @@ def _not_saturated(state: BackendView, now: float, max_waiting: int | None, fres
     ``freshness_s`` old (any age when None); an unknown queue never blocks."""
     if max_waiting is None or state.waiting is None or state.scraped_at is None:
         return True
-    if freshness_s is not None and now - state.scraped_at > freshness_s:
+    if not fresh(state.scraped_at, now, freshness_s):
         return True
     return state.waiting <= max_waiting
 
@@ -245,7 +246,7 @@ def _throughput_facts(ctx: Context, attempt: Attempt, b: BackendInfo, key: Key |
     if key is None:
         facts["missing"] = (
             "no monitor data" if state is None else "never scraped" if state.scraped_at is None
-            else "stale" if not fresh(state, ctx.now, freshness) else "no throughput figure"
+            else "stale" if not fresh(state.scraped_at, ctx.now, freshness) else "no throughput figure"
         )
     return facts
 

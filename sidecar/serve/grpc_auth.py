@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from ..config import address
 from ..config.schema import GrpcAuth, GrpcTls
 
 METADATA_KEY = "x-model-router-grpc-secret"
@@ -73,7 +74,7 @@ def secret_of(auth: GrpcAuth, override_file: str | None = None) -> str | None:
 
 
 def is_loopback(listen: str) -> bool:
-    host = listen.rpartition(":")[0].strip("[]")
+    host = address.host_of(listen)
     if host == "localhost":
         return True
     try:

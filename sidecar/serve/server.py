@@ -30,6 +30,7 @@ from ..accounting.logs import setup as setup_logging
 from ..accounting.metering import AccessLogService, JsonLinesSink, Meter
 from ..accounting.tracing import Tracer
 from ..backends.monitor import BackendState
+from ..config import address
 from ..config import guard as config_guard
 from ..config import schema as config_mod
 from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S
@@ -367,23 +368,6 @@ def _grpc_gate(
     return grpc_auth.Gate(secret, auth), credentials
 
 
-def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
-    """Worker i listens on the configured ports plus i."""
-    def shifted(addr: str) -> list[str]:
-        if not addr:
-            return [""] * workers
-        host, port = _split_listen(addr)
-        host = f"[{host}]" if ":" in host else host
-        return [f"{host}:{port + i}" for i in range(workers)]
-
-    return shifted(grpc_listen), shifted(admin_listen)
-
-
-def _split_listen(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 async def serve_async(
     config_path: str,
     *,
@@ -446,7 +430,7 @@ async def serve_async(
 
     runner = web.AppRunner(_admin_app(runtime), access_log=None)
     await runner.setup()
-    host, aport = _split_listen(admin_listen)
+    host, aport = address.split(admin_listen)
     site = web.TCPSite(runner, host, aport, reuse_port=shared or None)
     try:
         await site.start()

@@ -27,9 +27,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..config import address
 from .restarts import RestartPolicy, Restarts
 
 log = logging.getLogger("model_router.workers")
@@ -60,12 +61,11 @@ def restarts_so_far() -> dict[str, int]:
 
 
 def port_in_use(addr: str) -> bool:
-    host, _, port = addr.rpartition(":")
-    host = host.strip("[]")
+    host, port = address.split(addr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, int(port)))
+            s.bind((host, port))
         except OSError:
             return True
     return False
@@ -240,3 +240,19 @@ def serve_workers(worker_argv: Callable[[int, bool], list[str]], addresses: list
         log.error("%s already in use (is another model-router running?)", ", ".join(busy))  # in the log's format
         return 1
     return Supervisor(worker_argv, count).run()
+
+
+def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
+    """Worker i listens on the configured ports plus i."""
+    def shifted(addr: str) -> list[str]:
+        if not addr:
+            return [""] * workers
+        return [address.shifted(addr, i) for i in range(workers)]
+
+    return shifted(grpc_listen), shifted(admin_listen)
+
+
+def standby_addresses(addresses: Sequence[str]) -> list[str]:
+    """Where each recycling worker's replacement listens: its port plus the
+    number of workers (generations alternate between the two)."""
+    return [address.shifted(a, len(addresses)) for a in addresses]
