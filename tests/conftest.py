@@ -12,7 +12,7 @@ from hypothesis import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.devstack.stack import Stack, StackError
-from tests.servers import RedisServer
+from tests.support.servers import RedisServer
 
 # Property tests explore new inputs on every local run; under CI they draw the
 # same inputs every time, so a red run reproduces and a green one stays green.
@@ -32,9 +32,18 @@ def docker_daemon_problem() -> str | None:
     return None
 
 
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
 def pytest_collection_modifyitems(config, items):
-    """With MODEL_ROUTER_ENVOY_IMAGE, Envoy runs in a container (testcontainers):
+    """Every test under tests/integration/ carries the ``integration`` marker
+    (tests/unit/ starts no process: its conftest refuses one).
+
+    With MODEL_ROUTER_ENVOY_IMAGE, Envoy runs in a container (testcontainers):
     without a Docker daemon the integration tests skip, saying why."""
+    for item in items:
+        if INTEGRATION in Path(item.fspath).resolve().parents and not item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.integration)
     image = os.environ.get("MODEL_ROUTER_ENVOY_IMAGE")
     if not image:
         return

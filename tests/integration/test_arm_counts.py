@@ -1,4 +1,4 @@
-"""Per-arm counts are exact with every feature on (tests/realistic.py):
+"""Per-arm counts are exact with every feature on (tests/support/realistic.py):
 Envoy's own 503 and 504 on an arm count on that arm, and a reserved refusal
 is counted only where the name really is reserved."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import metered, metric
-from .realistic import RESERVED, realistic  # noqa: F401  (the fixture)
+from ..conftest import metered, metric
+from ..support.realistic import RESERVED, realistic  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.integration
 

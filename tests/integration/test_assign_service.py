@@ -32,7 +32,7 @@ from sidecar._proto import assignment_pb2_grpc as pb_grpc
 from sidecar.routing.assignment import assign, next_boundary
 from tools import protogen
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROTO_PACKAGE = REPO / "sidecar" / "_proto"
 
 WEEK = 7 * 86400

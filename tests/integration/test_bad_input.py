@@ -17,7 +17,7 @@ import pytest
 from sidecar.payload.body import set_top_level
 from sidecar.routing.assignment import assign
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat, metric
 
 pytestmark = pytest.mark.integration
 

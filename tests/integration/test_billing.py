@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis
 
-from .conftest import metered
+from ..conftest import metered
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import openai
 import orjson
 import pytest
 
-from .conftest import clear_demo_requests, demo_requests, metric
+from ..conftest import clear_demo_requests, demo_requests, metric
 from .test_bad_input import check_error, raw_request
 
 pytestmark = pytest.mark.integration

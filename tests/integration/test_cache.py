@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from .conftest import demo_requests, envoy_stat, metric, sidecar_metric, wait_metric
+from ..conftest import demo_requests, envoy_stat, metric, sidecar_metric, wait_metric
 
 pytestmark = pytest.mark.integration
 

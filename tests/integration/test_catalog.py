@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import metric
+from ..conftest import metric
 
 pytestmark = pytest.mark.integration
 

@@ -2,13 +2,13 @@
 API (HTTPRoute, BackendTLSPolicy, ReferenceGrant), Istio (EnvoyFilter,
 DestinationRule) and prometheus-operator (ServiceMonitor, PrometheusRule), as
 the kubernetes-models npm packages compile them from each project's CRDs
-(pinned in tests/crd/package-lock.json, installed by `python -m tests.servers`).
+(pinned in tests/crd/package-lock.json, installed by `python -m tests.support.servers`).
 
 These schemas check types, enums, patterns, formats and required fields, as
 the API server does; like the API server they do not refuse unknown fields.
 No package registry ships Envoy Gateway's CRDs (EnvoyExtensionPolicy,
 EnvoyProxy, ClientTrafficPolicy): those are checked by what Envoy makes of
-them (tests/test_k8s.py, tests/test_gateways_live.py)."""
+them (tests/integration/test_k8s.py, tests/integration/test_gateways_live.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 
 from sidecar.config import schema as config_mod
 from sidecar.deploy import k8s
-from tests.servers import CRD_SCHEMAS
+from tests.support.servers import CRD_SCHEMAS
 
 from .test_k8s import BUILT_IN, TEMPLATE
 
@@ -40,7 +40,7 @@ backends:
 def validate(docs: list[dict]) -> list[dict]:
     node = shutil.which("node")
     if node is None or not (CRD_SCHEMAS / "node_modules").is_dir():
-        pytest.fail("the CRD schema packages are not installed: run `python -m tests.servers`")
+        pytest.fail("the CRD schema packages are not installed: run `python -m tests.support.servers`")
     done = subprocess.run([node, str(CRD_SCHEMAS / "validate.mjs")], input=json.dumps(docs), cwd=CRD_SCHEMAS,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

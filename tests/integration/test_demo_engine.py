@@ -25,7 +25,7 @@ from aiohttp import web
 
 from sidecar.devstack.demo.engine import SPLIT_WORD, add_arguments, build_app, start
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

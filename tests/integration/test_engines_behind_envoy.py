@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from .conftest import sidecar_metric
-from .test_engines import page
+from ..conftest import sidecar_metric
+from ..unit.test_engines import page
 
 pytestmark = pytest.mark.integration
 

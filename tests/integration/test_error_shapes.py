@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import clear_demo_requests, demo_requests
+from ..conftest import clear_demo_requests, demo_requests
 
 pytestmark = pytest.mark.integration
 

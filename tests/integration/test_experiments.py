@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.routing.assignment import assign
 
-from .conftest import clear_demo_requests, demo_requests, metric, sidecar_metric, wait_metric
+from ..conftest import clear_demo_requests, demo_requests, metric, sidecar_metric, wait_metric
 
 pytestmark = pytest.mark.integration
 

@@ -283,7 +283,7 @@ def test_command_errors(files, capsys):
 
 
 def test_docs_example_is_what_the_command_prints(tmp_path, capsys):
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "assignment.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "assignment.md").read_text(encoding="utf-8")
     section = doc.split("## Previewing an edit", 1)[1]
     example = section.split("```\n", 3)[2].split("```", 1)[0]
     text = """

@@ -22,7 +22,7 @@ from sidecar.routing.ingress import lookup
 from sidecar.routing.snapshot import CLIENT_ROUTER_HEADERS, ROUTER_HEADER_PREFIXES
 from sidecar.routing.trace import Trace
 
-from .conftest import clear_demo_requests, demo_requests
+from ..conftest import clear_demo_requests, demo_requests
 from .test_suffixes import Generator, admin_backends, wait_for
 
 CONFIG = """

@@ -15,7 +15,7 @@ from sidecar.errors import Reply
 from sidecar.routing import Caller, Request, decide, snapshot
 from sidecar.routing.ingress import lookup
 
-from .conftest import metric, wait_metric
+from ..conftest import metric, wait_metric
 
 CONFIG = """
 proxy: {variant_suffixes: {enabled: true}}

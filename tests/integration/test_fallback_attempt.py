@@ -23,7 +23,7 @@ from sidecar.routing import Caller, Request, decide, snapshot
 from sidecar.routing.ingress import lookup
 from sidecar.routing.retarget import retarget
 
-from .conftest import demo_requests, envoy_stat, metric, wait_metric
+from ..conftest import demo_requests, envoy_stat, metric, wait_metric
 
 PURE = """
 proxy: {variant_suffixes: {enabled: true}}

@@ -17,7 +17,7 @@ from sidecar.config.schema import parse
 from sidecar.experiments import feedback, join
 from sidecar.experiments.feedback import Feedback, owner_of
 
-from .conftest import metered
+from ..conftest import metered
 
 METRICS = """
 feedback_metrics:
@@ -302,9 +302,9 @@ def test_prometheus_records_the_feedback_rules_and_the_report_reads_it(stack_fac
     from pathlib import Path
 
     from sidecar.commands.main import main
-    from tests.servers import PrometheusServer
+    from tests.support.servers import PrometheusServer
 
-    rules = Path(__file__).resolve().parent.parent / "deploy" / "observability" / "model-router.rules.yml"
+    rules = Path(__file__).resolve().parents[2] / "deploy" / "observability" / "model-router.rules.yml"
     fresh = stack_factory(STACK.replace("flush_interval_ms: 2000", "flush_interval_ms: 100"))
     prom = PrometheusServer(tmp_path / "prometheus", targets=fresh.sidecar_admin, rule_files=[rules]).start()
     try:
@@ -418,7 +418,7 @@ def sidecar_count(text: str, series: str) -> float:
 
 @pytest.mark.integration
 def test_without_feedback_metrics_the_path_is_the_backends_own(stack_factory):
-    from .conftest import clear_demo_requests, demo_requests
+    from ..conftest import clear_demo_requests, demo_requests
 
     plain = stack_factory('proxy: {passthrough_backend: alpha}\nbackends: [{name: alpha, url: "demo://", models: [m]}]\n')
     clear_demo_requests(plain)

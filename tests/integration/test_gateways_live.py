@@ -27,7 +27,7 @@ from sidecar.devstack.stack import envoy_binary, free_port
 from sidecar.routing import assignment
 from sidecar.serve import grpc_auth
 
-from .conftest import demo_requests, metered, sidecar_metric
+from ..conftest import demo_requests, metered, sidecar_metric
 from .test_k8s import TEMPLATE, _apply_envoy_filter, _eg_ext_proc, httproute_routes
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat
 from .test_bad_input import check_error, raw_request
 
 pytestmark = pytest.mark.integration

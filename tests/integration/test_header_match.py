@@ -18,7 +18,7 @@ from sidecar.deploy import envoy as envoyconf
 from sidecar.deploy import k8s
 from sidecar.devstack.stack import Stack, envoy_binary, free_port
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat, write_config
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat, write_config
 
 pytestmark = pytest.mark.integration
 

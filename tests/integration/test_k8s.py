@@ -2,7 +2,7 @@
 built-in objects against Kubernetes' own schemas (kubernetes-validate), custom
 resources by shape, and the Envoy parts of the gateway recipes embedded in a
 bootstrap the real Envoy validates. (That the header-match routes reach every
-backend through the real Envoy is tests/test_header_match.py.)"""
+backend through the real Envoy is tests/integration/test_header_match.py.)"""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import clear_demo_requests, demo_requests, metered
+from ..conftest import clear_demo_requests, demo_requests, metered
 
 pytestmark = pytest.mark.integration
 

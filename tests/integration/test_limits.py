@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import envoy_stat, metered, sidecar_metric, wait_metric
+from ..conftest import envoy_stat, metered, sidecar_metric, wait_metric
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import envoy_stat, metric, wait_metric
+from ..conftest import envoy_stat, metric, wait_metric
 
 pytestmark = pytest.mark.integration
 
@@ -224,7 +224,7 @@ def test_label_sets_exist_before_the_first_request_and_no_created_series(stack_f
     names = {x.name for f in text_string_to_metric_families(text) for x in f.samples}
     assert not [n for n in names if n.endswith("_created")]
     assert "process_cpu_seconds_total" in names
-    from .conftest import sidecar_metric
+    from ..conftest import sidecar_metric
 
     for exp, arm in [("split", "control"), ("split", "candidate"), ("dead-arm", "only")]:
         assert f'model_experiment_requests_total{{assignment="sticky",experiment="{exp}",status="success",variant="{arm}"}}' in text \

@@ -24,9 +24,9 @@ from sidecar.devstack.stack import free_port
 from sidecar.metrics import REGISTRY
 from sidecar.routing.snapshot import build
 
-from .test_engines import page
+from ..unit.test_engines import page
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------- parsing
 

@@ -24,12 +24,12 @@ from sidecar.config.schema import parse
 from sidecar.deploy import k8s, k8s_monitoring
 from sidecar.experiments import srm
 from sidecar.serve import server
-from tests.servers import PrometheusServer
+from tests.support.servers import PrometheusServer
 
-from .conftest import metered
+from ..conftest import metered
 from .test_srm import refusing  # noqa: F401  (the fixture: an upstream answering 503)
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "observability"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "observability"
 RULES = DEPLOY / "model-router.rules.yml"
 DASHBOARD = DEPLOY / "model-router.dashboard.json"
 RULE_TESTS = DEPLOY / "model-router.rules.test.yml"
@@ -96,7 +96,7 @@ def test_promtool_checks_the_rules():
 def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is not installed: run `python -m tests.servers`")
+        pytest.fail("promtool is not installed: run `python -m tests.support.servers`")
     return promtool
 
 
@@ -253,7 +253,7 @@ def test_prometheus_scrapes_the_stack_and_every_recording_rule_yields_per_arm_se
                  and all(v > 0 for v in arms_of("model_experiment:request_duration_seconds:p95_5m").values()))
         for rule in sorted(recorded()):
             if rule.startswith("model_experiment_feedback:"):
-                continue  # tests/test_feedback.py evaluates these on a stack that gets feedback
+                continue  # tests/integration/test_feedback.py evaluates these on a stack that gets feedback
             if rule == "model_experiment:srm_p_value:min":
                 series = prom.query(rule)
                 assert [s["metric"] for s in series] == [{"__name__": rule, "experiment": "split"}], rule

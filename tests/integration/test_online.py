@@ -12,7 +12,7 @@ from aiohttp import web
 
 from sidecar.devstack.stack import free_port
 
-from .conftest import clear_demo_requests, demo_requests, metric
+from ..conftest import clear_demo_requests, demo_requests, metric
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from sidecar.config import edit as config_edit
 from sidecar.config.schema import ConfigError, parse
 from sidecar.routing.assignment import assign
 
-from .conftest import sidecar_metric
+from ..conftest import sidecar_metric
 
 pytestmark = pytest.mark.integration
 

@@ -1,12 +1,12 @@
 """The router in front of a real inference engine: llama.cpp's ``llama-server``.
 
 Three engines serve tiny random-weight models written by the test
-(:mod:`tests.gguf_model`): ``llama-a`` a fast one, ``llama-b`` one an order of
+(:mod:`tests.support.gguf_model`): ``llama-a`` a fast one, ``llama-b`` one an order of
 magnitude slower (and cheaper, for ``:floor``), ``llama-dark`` one started
 without ``--metrics``. The real Envoy and sidecar sit in front; the official
 OpenAI SDK and httpx are the clients. Every answer runs to exactly
 ``max_tokens``, so token counts are exact. The binary is built once by
-``python -m tests.servers``; without it the module skips.
+``python -m tests.support.servers``; without it the module skips.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import openai
 import orjson
 import pytest
 
-from tests import gguf_model, llama_build
-from tests.llama_server import LlamaServer
+from tests.support import gguf_model, llama_build
+from tests.support.llama_server import LlamaServer
 
-from .conftest import metered, metric, sidecar_metric
+from ..conftest import metered, metric, sidecar_metric
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def wait_for(pred: Callable[[], object], what: str, timeout: float = 30.0):
 def engines(tmp_path_factory):
     binary = llama_build.find()
     if binary is None:
-        why = f"no llama-server: run `python -m tests.servers` to build it into {llama_build.cache_dir()}"
+        why = f"no llama-server: run `python -m tests.support.servers` to build it into {llama_build.cache_dir()}"
         if os.environ.get("CI"):
             pytest.fail(why)  # CI builds it first: a missing binary there is a broken setup, not a skip
         pytest.skip(why)

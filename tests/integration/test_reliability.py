@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from sidecar.devstack.stack import free_port
 from sidecar.routing.assignment import assign
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat, metric
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from sidecar.payload.response_ids import Owner, derive, tag
 
-from .conftest import metric, wait_metric
+from ..conftest import metric, wait_metric
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import envoy_stat, sidecar_metric
+from ..conftest import envoy_stat, sidecar_metric
 from .test_bad_input import check_error
 
 SLOW_KEY = "sk-slow-uploader"

@@ -12,7 +12,7 @@ from sidecar.config.schema import parse
 from sidecar.deploy import envoy as envoyconf
 from sidecar.devstack.stack import envoy_binary
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat
 
 pytestmark = pytest.mark.integration
 

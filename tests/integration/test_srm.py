@@ -16,7 +16,7 @@ from sidecar.config.schema import parse
 from sidecar.experiments import srm
 from sidecar.routing.assignment import assign
 
-from .conftest import metered, sidecar_metric
+from ..conftest import metered, sidecar_metric
 
 # --------------------------------------------------------------------------- chi-square
 

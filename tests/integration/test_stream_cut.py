@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat, metered, metric
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat, metered, metric
 
 CONFIG = """
 envoy: {idle_timeout_s: 2}

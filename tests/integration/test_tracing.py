@@ -16,8 +16,8 @@ from sidecar.accounting import spans, trace_settings
 from sidecar.accounting.metering import Entry
 from sidecar.config.schema import Tracing
 
-from .conftest import clear_demo_requests, demo_requests, metric, wait_metric
-from .otlp import GrpcReceiver, HttpReceiver, decode
+from ..conftest import clear_demo_requests, demo_requests, metric, wait_metric
+from ..support.otlp import GrpcReceiver, HttpReceiver, decode
 
 KEY = "sk-trace-team-secret"
 CONFIG = """
@@ -305,7 +305,7 @@ def test_a_refusal_has_a_span_with_its_kind(grpc_stack, grpc_receiver):
 
 @pytest.mark.integration
 def test_tracing_keeps_the_request_path_at_two_ext_proc_messages(grpc_stack):
-    from .conftest import envoy_stat
+    from ..conftest import envoy_stat
 
     before = envoy_stat(grpc_stack, "ext_proc.stream_msgs_sent")
     for i in range(3):
@@ -375,7 +375,7 @@ def test_a_reload_moves_export_and_a_full_queue_drops_and_counts(grpc_receiver):
 
 @pytest.mark.integration
 def test_a_stopping_sidecar_exports_what_it_still_holds(stack_factory, grpc_receiver):
-    from .conftest import metered
+    from ..conftest import metered
 
     section = "{endpoint: \"%s\", schedule_delay_ms: 600000}" % grpc_receiver.endpoint  # no export on the clock
     stack = stack_factory(CONFIG % (section, KEY))

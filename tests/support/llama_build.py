@@ -4,7 +4,7 @@ PyPI has no prebuilt ``llama-server``; the ``llama-cpp-python`` sdist vendors a
 pinned llama.cpp tree, so pip fetches the source like any other test input and
 CMake builds the one target the tests need. The binary is cached outside the
 checkout, keyed by the sdist version, so later runs (and other checkouts) reuse
-it. ``python -m tests.servers`` calls :func:`ensure` so a fresh machine builds it
+it. ``python -m tests.support.servers`` calls :func:`ensure` so a fresh machine builds it
 before pytest; the tests skip when it is absent.
 
 The build is offline once the sdist is on disk: the web UI download is off

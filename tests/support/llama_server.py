@@ -1,7 +1,7 @@
 """One ``llama-server`` process on a free loopback port, for the real-engine tests.
 
-The binary comes from :mod:`tests.llama_build` (built by ``python -m
-tests.servers``); the model from :mod:`tests.gguf_model`. ``kill()`` is a
+The binary comes from :mod:`tests.support.llama_build` (built by ``python -m
+tests.support.servers``); the model from :mod:`tests.support.gguf_model`. ``kill()`` is a
 crash (SIGKILL); ``start()`` brings the engine back on the same port.
 """
 

@@ -3,8 +3,8 @@
 (docker-compose renders the compose file without a daemon; node runs the
 upstream CRD schemas of tests/crd), and their installer.
 
-``python -m tests.servers`` installs whichever of the Debian packages is
-missing and builds ``llama-server`` once (:mod:`tests.llama_build`, cached
+``python -m tests.support.servers`` installs whichever of the Debian packages is
+missing and builds ``llama-server`` once (:mod:`tests.support.llama_build`, cached
 outside the checkout); the README's test command runs it before pytest so a
 fresh machine passes. The fixtures start each server on a free loopback port
 and stop it.
@@ -29,8 +29,8 @@ BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtoo
             "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm", "nginx": "nginx-light", "wrk": "wrk",
             "cmake": "cmake", "c++": "build-essential", "cc": "build-essential", "make": "build-essential"}
 # The upstream CRD schemas (npm packages, pinned by tests/crd/package-lock.json)
-# that tests/test_crd_schemas.py validates the generated custom resources against.
-CRD_SCHEMAS = Path(__file__).resolve().parent / "crd"
+# that tests/integration/test_crd_schemas.py validates the generated custom resources against.
+CRD_SCHEMAS = Path(__file__).resolve().parents[1] / "crd"
 
 
 def missing() -> dict[str, str]:
@@ -94,7 +94,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server is not installed: run `python -m tests.servers`")
+            raise RuntimeError("redis-server is not installed: run `python -m tests.support.servers`")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / f"redis-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
@@ -158,7 +158,7 @@ class PrometheusServer:
 
         binary = shutil.which("prometheus")
         if binary is None:
-            raise RuntimeError("prometheus is not installed: run `python -m tests.servers`")
+            raise RuntimeError("prometheus is not installed: run `python -m tests.support.servers`")
         self.workdir.mkdir(parents=True, exist_ok=True)
         every = f"{int(self.interval_s * 1000)}ms"
         config = {  # JSON is YAML
@@ -223,7 +223,7 @@ class PrometheusServer:
 
 
 def main() -> int:
-    from tests import llama_build
+    from tests.support import llama_build
 
     return install() or llama_build.ensure()
 

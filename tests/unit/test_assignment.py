@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from sidecar.routing.assignment import Assignment, Race, Score, assign, caller_key, next_boundary, salt_prefix
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "assignment.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "assignment.md"
 
 # --------------------------------------------------------------------------- reference
 

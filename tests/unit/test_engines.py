@@ -15,7 +15,7 @@ from sidecar.config.engines import (
     parse_engine_metrics,
 )
 
-PAGES = Path(__file__).resolve().parent / "data" / "engines"
+PAGES = Path(__file__).resolve().parents[1] / "data" / "engines"
 
 
 def page(name: str) -> str:

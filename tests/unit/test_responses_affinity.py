@@ -19,7 +19,7 @@ import pytest
 
 from sidecar.payload.response_ids import Owner, derive, tag, untag
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat
+from ..conftest import clear_demo_requests, demo_requests, envoy_stat
 
 CONFIG = """
 metering: {flush_interval_ms: 100}
