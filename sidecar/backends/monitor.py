@@ -55,6 +55,7 @@ from ..config.engines import (
 )
 from ..config.schema import Monitor as MonitorConfig
 from ..metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
+from ..routing.route import credentials
 from ..routing.selection import admissible, fresh
 from ..routing.snapshot import BackendInfo, Snapshot
 
@@ -164,11 +165,10 @@ def parse_models(body: bytes | str) -> tuple[str, ...]:
 
 def auth_headers(info: BackendInfo) -> dict[str, str]:
     """The credentials a request to this backend carries (none without an api_key)."""
-    if not info.api_key:
-        return {}
-    if info.family == "anthropic":
-        return {"x-api-key": info.api_key, "anthropic-version": ANTHROPIC_VERSION}
-    return {"authorization": f"Bearer {info.api_key}"}
+    headers = dict(credentials(info))
+    if headers and info.family == "anthropic":
+        headers["anthropic-version"] = ANTHROPIC_VERSION
+    return headers
 
 
 def poll_url(info: BackendInfo, path: str) -> str:

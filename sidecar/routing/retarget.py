@@ -18,11 +18,10 @@ import orjson
 
 from ..payload.body import BodyError, parse_json, set_top_level
 from .limits import BUDGET_SEPARATOR
-from .route import Meta, upstream_auth
+from .route import CREDENTIAL_HEADERS, Meta, upstream_auth
 from .snapshot import Snapshot
 
 REASON = "upstream_error"  # the previous attempt failed: connect failure, reset, 5xx or 429
-_CREDENTIALS = ("authorization", "x-api-key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +84,7 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
         new_body = set_top_level(body, {"model": upstream}, data)
     sets, removes = upstream_auth(snap, backend)
     if not sets and decision.get("auth_replaced"):
-        removes = _CREDENTIALS + removes  # an earlier attempt's backend key never travels on
+        removes = CREDENTIAL_HEADERS + removes  # an earlier attempt's backend key never travels on
     meta: Meta = {
         "backend": backend_name, "upstream_model": upstream,
         "fallback_from": origin, "fallback_to": upstream, "fallback_reason": REASON,

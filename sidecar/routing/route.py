@@ -156,6 +156,18 @@ class Route:
 
 # The client's address as Envoy reports it to upstreams.
 CLIENT_ADDRESS_HEADERS = ("x-forwarded-for", "x-envoy-external-address")
+# Where a key travels, in either API family.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key")
+
+
+def credentials(backend: BackendInfo) -> tuple[tuple[str, str], ...]:
+    """The backend's own key as its API family expects it (none without an ``api_key``).
+    The request path and the monitor's polls both send it this way."""
+    if not backend.api_key:
+        return ()
+    if backend.family == "anthropic":
+        return (("x-api-key", backend.api_key),)
+    return (("authorization", f"Bearer {backend.api_key}"),)
 
 
 def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
@@ -163,10 +175,9 @@ def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str
     and the client's address removed where it must not go."""
     forward = backend.config.forward_client_address
     hidden = CLIENT_ADDRESS_HEADERS if not (backend.tls is False if forward is None else forward) else ()
-    if backend.api_key:
-        if backend.family == "anthropic":
-            return (("x-api-key", backend.api_key),), ("authorization", *hidden)
-        return (("authorization", f"Bearer {backend.api_key}"),), ("x-api-key", *hidden)
+    sent = credentials(backend)
+    if sent:
+        return sent, (*(h for h in CREDENTIAL_HEADERS if h != sent[0][0]), *hidden)
     if snap.keys is not None:
-        return (), ("authorization", "x-api-key", *hidden)
+        return (), (*CREDENTIAL_HEADERS, *hidden)
     return (), hidden
