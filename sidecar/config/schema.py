@@ -360,6 +360,11 @@ class Experiment(_Model):
         return seconds
 
     @property
+    def race(self) -> tuple[tuple[str, int], ...]:
+        """The race assignment runs: each arm's id and weight, in order (a paused arm weighs 0)."""
+        return tuple((v.id, v.race_weight) for v in self.variants)
+
+    @property
     def sticky_header(self) -> str | None:
         return self.sticky_key[len("header:"):] if self.sticky_key.startswith("header:") else None
 

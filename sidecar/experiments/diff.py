@@ -216,8 +216,8 @@ def _compare(old: Experiment, new: Experiment, unix_time: float, source: CallerS
     if old.sticky_key == new.sticky_key == "none":
         return ExperimentDiff(new.name, status, old, new, notes=tuple(_notes(old, new, Fraction(0))),
                               arms=_arms(old, new), observed_note="sticky_key is none: no caller keeps an arm")
-    old_v = [(v.id, v.race_weight) for v in old.variants]
-    new_v = [(v.id, v.race_weight) for v in new.variants]
+    old_v = list(old.race)
+    new_v = list(new.race)
     kept = _kept(old, new, unix_time)
     joint = _mix(kept, reassignment.same_key(old_v, new_v), reassignment.independent(old_v, new_v))
     observed: Observed | None = None
@@ -252,8 +252,8 @@ def _mix(kept: Fraction, same: reassignment.Joint, fresh: reassignment.Joint) ->
 
 
 def _arms(old: Experiment, new: Experiment) -> tuple[Arm, ...]:
-    p = reassignment.shares([(v.id, v.race_weight) for v in old.variants])
-    q = reassignment.shares([(v.id, v.race_weight) for v in new.variants])
+    p = reassignment.shares(list(old.race))
+    q = reassignment.shares(list(new.race))
     olds = {v.id: v for v in old.variants}
     news = {v.id: v for v in new.variants}
     zero = Fraction(0)
@@ -270,7 +270,7 @@ def _arms(old: Experiment, new: Experiment) -> tuple[Arm, ...]:
 
 def _observe(old: Experiment, new: Experiment, callers: Callers, unix_time: float, source: str) -> Observed:
     """Each caller's arm under both configs, by the request path's race."""
-    old_race, new_race = Race([(v.id, v.race_weight) for v in old.variants]), Race([(v.id, v.race_weight) for v in new.variants])
+    old_race, new_race = Race(old.race), Race(new.race)
     old_prefix, new_prefix = salt_prefix(old.name), salt_prefix(new.name)
     movers = []
     for label, value in callers:

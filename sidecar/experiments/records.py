@@ -146,7 +146,7 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config, experiment: 
         out[vid] = ArmData(requests=a.requests, callers=len(a.callers), latency_p50_ms=_percentile(a.latencies, 0.5),
                            latency_p95_ms=_percentile(a.latencies, 0.95), metrics=a.metrics)
     counts = [len(arms[v.id].served_callers) for v in experiment.variants]
-    p = srm.p_value(counts, [v.race_weight for v in experiment.variants])
+    p = srm.p_value(counts, [w for _, w in experiment.race])
     return out, None if math.isnan(p) else p
 
 

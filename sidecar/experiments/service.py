@@ -180,7 +180,7 @@ def answer(config: Config, experiment: str, sticky_value: str, unix_time: float 
     except UnicodeEncodeError:
         raise InvalidArgument("the sticky value must be valid Unicode (no unpaired surrogates)") from None
     value = None if exp.sticky_key == "none" else sticky_value
-    variants = tuple((v.id, v.race_weight) for v in exp.variants)
+    variants = exp.race
     try:
         a = assignment.assign(exp.name, variants, value, ttl_seconds=exp.sticky_ttl, unix_time=now)
         boundary = (

@@ -193,7 +193,7 @@ class Tracker:
             return
         self._seen = cfg
         self._arms = {
-            e.name: ({v.id: i for i, v in enumerate(e.variants)}, tuple(v.race_weight for v in e.variants))
+            e.name: ({v.id: i for i, v in enumerate(e.variants)}, tuple(w for _, w in e.race))
             for e in cfg.model_experiments
         }
         self.samples = {

@@ -67,7 +67,8 @@ def at_headers(
     trace: Trace | None = None,
 ) -> Head:
     """The headers' part of the decision. ``body_follows``: a body is on its way."""
-    path, family = canonical(raw_path), family_for(canonical(raw_path))
+    path = canonical(raw_path)
+    family = family_for(path)
     problem = path_problem(raw_path)
     if problem is not None:
         _stage(trace, "ingress", f"refused: {problem}", path=raw_path)

@@ -103,7 +103,7 @@ class Snapshot:
 
 
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:
-    variants = tuple((v.id, v.race_weight) for v in e.variants)
+    variants = e.race
     return ExperimentInfo(index, e, variants, Race(variants), salt_prefix(e.name))
 
 
