@@ -35,6 +35,7 @@ from ..routing.snapshot import Snapshot
 from ..stores import shared_store
 
 if TYPE_CHECKING:
+    from ..config.schema import RedisSettings
     from .metering import Entry
 
 log = logging.getLogger("model_router.budgets")
@@ -87,7 +88,7 @@ class Budgets:
         self.snapshot = snapshot
         self.spent: dict[str, tuple[int, int]] = {}  # rule id -> (window, tokens)
         self._pending: dict[tuple[str, int], int] = {}  # (rule id, window) -> tokens not yet in Redis
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._open: dict[str, Open] = {}  # background creates charged their estimate, by engine response id
         self._opened: list[tuple[str, Open]] = []  # not yet in Redis
         self._claimed: list[tuple[str, int]] = []  # retrieves that reported usage: (engine id, tokens), not yet claimed
@@ -236,8 +237,8 @@ class Budgets:
         except Exception as exc:  # any failure: enforce locally, retry the charges next time
             shared_store.REDIS_ERRORS.labels("budgets").inc()
             log.debug("budgets: redis sync failed: %s", exc)
-            for k, v in pending.items():
-                self._pending[k] = self._pending.get(k, 0) + v
+            for held, v in pending.items():
+                self._pending[held] = self._pending.get(held, 0) + v
             return
         totals = results[2 * len(pending):]
         for (r, window), total in zip(current, totals):
@@ -245,7 +246,7 @@ class Budgets:
             # (A count may fall: settlements give back what reservations held.)
             self.spent[r.id] = (window, max(0, int(total or 0) + self._pending.get((r.id, window), 0)))
 
-    async def _settle_background(self, settings) -> None:
+    async def _settle_background(self, settings: RedisSettings) -> None:
         """Background creates into Redis, then the retrieves' claims on them
         (in that order, in one pipeline): a claim that finds its create
         settles it here, and no other replica can find it again."""

@@ -68,7 +68,7 @@ class Entry:
     via_upstream: bool = False  # the status came from the backend, not from Envoy itself
 
 
-def _seconds(d) -> float | None:
+def _seconds(d: Any) -> float | None:  # a protobuf Duration
     return d.seconds + d.nanos / 1e9 if d.ByteSize() else None
 
 
@@ -80,7 +80,7 @@ def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
     return None
 
 
-def entry_of(log_entry) -> Entry:
+def entry_of(log_entry: Any) -> Entry:
     """Read an ``HTTPAccessLogEntry``; pure."""
     common = log_entry.common_properties
     meta = common.metadata.filter_metadata
@@ -121,7 +121,7 @@ def entry_of(log_entry) -> Entry:
 _ANSWER_KEYS = ("response_id", "response_model", "finish_reason")
 
 
-def _plain(struct) -> dict[str, Any]:
+def _plain(struct: Any) -> dict[str, Any]:  # a protobuf Struct
     out: dict[str, Any] = {}
     fields = struct.fields
     for k in fields:  # (items() goes through the Mapping mixin, in Python)
@@ -344,7 +344,7 @@ class Meter:
                     metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
 
 
-class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Envoy's gRPC access-log stream, one per Envoy worker thread."""
 
     def __init__(self, meter: Meter) -> None:
@@ -358,7 +358,7 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
         self._linger = linger
         self._closing.set()
 
-    async def StreamAccessLogs(self, request_iterator, context):
+    async def StreamAccessLogs(self, request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         while True:
             message = await self._next(context)
             if message is None:
@@ -370,7 +370,7 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
                 log.exception("access-log batch could not be accounted")
         return als_pb2.StreamAccessLogsResponse()
 
-    async def _next(self, context):
+    async def _next(self, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """The next batch, or None at the end of the stream or once closing and quiet."""
         if not self._closing.is_set():
             read = asyncio.ensure_future(context.read())
