@@ -207,7 +207,7 @@ def test_the_decision_publishes_the_caller_key_digest_for_sticky_assignments_onl
     from sidecar.routing import decide, snapshot
     from sidecar.routing.assignment import caller_key
 
-    from .test_decide import req
+    from ..unit.test_decide import req
 
     snap = snapshot.build(parse("""
 backends: [{name: a, url: "http://127.0.0.1:1", models: [m-a]}]
