@@ -4,6 +4,7 @@ it, and a Redis outage leaves the local counts in charge."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from sidecar.accounting.budgets import Budgets
 from sidecar.accounting.metering import Billed, Entry, billed
@@ -144,3 +145,65 @@ def test_a_reservation_in_redis_is_checked_and_made_in_one_step(redis_server):
         await shared_store.close_all()
 
     asyncio.run(go())
+
+
+def test_a_request_decided_before_or_after_another_settles_sees_its_reservation_then_the_same_count():
+    """A finished request holds its reservation until its access-log entry
+    settles it; a request decided in between sees the reservation, one decided
+    after sees the usage. Either way the count that follows is the same."""
+    snap = snapshot.build(parse(LOCAL).config)
+    rules = lim.applicable(snap, "m", None)
+
+    def admit(budgets: Budgets, cost: int) -> tuple[int, dict]:
+        plan = lim.plan(rules, "m", None, budgets.spent, NOW, cost=cost)
+        assert isinstance(plan, lim.LimitPlan)
+        budgets.reserve(plan)
+        remaining = int(plan.metadata()["x_ratelimit_remaining_tokens"])
+        return remaining, {"kind": "routed", "limit_model": "m", "estimate": f"{cost - 5},5", **plan.metadata()}
+
+    seen: dict[str, tuple[int, int]] = {}
+    for order in ("settled first", "decided first"):
+        budgets = Budgets(lambda: snap)
+        _, earlier = admit(budgets, 25)  # reserves 25, uses 6
+        if order == "settled first":
+            budgets.observe(entry(earlier, prompt=2, completion=4))
+            remaining, later = admit(budgets, 25)
+        else:
+            remaining, later = admit(budgets, 25)
+            budgets.observe(entry(earlier, prompt=2, completion=4))
+        budgets.observe(entry(later, prompt=2, completion=4))
+        seen[order] = (remaining, budgets.spent[RULE][1])
+    assert seen["settled first"] == (100 - 6, 12)
+    assert seen["decided first"] == (100 - 25, 12)  # the earlier request's reservation, not yet its usage
+
+
+def test_settlements_give_the_same_count_in_every_order_of_events():
+    """Reservations and settlements of several requests, every interleaving in
+    which a request is admitted before its entry arrives: the count ends at the
+    sum of what they used, whatever came first."""
+    snap = snapshot.build(parse(LOCAL).config)
+    rules = lim.applicable(snap, "m", None)
+    used = {"a": (3, 4), "b": (None, None), "c": (9, 0)}  # b: an upstream error without usage (released)
+    costs = {"a": 30, "b": 20, "c": 25}
+    events = [(name, step) for name in used for step in ("reserve", "settle")]
+    orders = [o for o in itertools.permutations(events)
+              if all(o.index((n, "reserve")) < o.index((n, "settle")) for n in used)]
+    assert len(orders) == 90  # 6! / 2**3
+    for order in orders:
+        budgets = Budgets(lambda: snap)
+        meta: dict[str, dict] = {}
+        expected = 0  # what the running requests hold plus what the settled ones used
+        for name, step in order:
+            prompt, completion = used[name]
+            if step == "reserve":
+                plan = lim.plan(rules, "m", None, budgets.spent, NOW, cost=costs[name])
+                assert isinstance(plan, lim.LimitPlan)
+                budgets.reserve(plan)
+                meta[name] = {"kind": "routed", "limit_model": "m", "estimate": f"{costs[name]},0", **plan.metadata()}
+                expected += costs[name]
+            else:
+                budgets.observe(entry(meta[name], status=200 if prompt is not None else 503,
+                                      prompt=prompt, completion=completion))
+                expected += (prompt or 0) + (completion or 0) - costs[name]
+            assert budgets.spent[RULE] == (100, expected), order
+        assert expected == 16

@@ -1,7 +1,8 @@
 """One realistic config for tests that must hold with every feature on at
 once: several experiments (one hiding its arms), ``model_aliases``,
 ``model_metadata`` aliases, variant suffixes, keys, a fallback chain, the
-response cache and limits. One backend is a closed port (Envoy's
+response cache, limits (a rate and a token budget on each experiment) and
+tracing to a local OTLP receiver. One backend is a closed port (Envoy's
 connect-refused 503) and Envoy gives up on a silent upstream after a second
 (its 504), so tests can make both happen on experiment arms.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 from sidecar.devstack.stack import free_port
+
+from .otlp import GrpcReceiver
 
 REALISTIC = """
 metering: {flush_interval_ms: 100}
@@ -23,7 +26,7 @@ backends:
 api_keys:
   - {key: key-full, id: full}
   - {key: key-narrow, id: narrow, allowed_models: [chat, other, mistral-7b, gpt-public]}
-model_aliases: {fast: gpt-public, sneaky: qwen3-8b, sneaky2: "qwen3-8b:nitro"}
+model_aliases: {via-alias: other, ab-alias: chat, fast: gpt-public, sneaky: qwen3-8b, sneaky2: "qwen3-8b:nitro"}
 model_metadata:
   - {id: qwen3-8b, aliases: [qwen-alias]}
   - {id: llama-3.1-8b, aliases: [llama], pricing: {input: 0.1, output: 0.2}}
@@ -52,11 +55,21 @@ cache: {store: memory, scope: key, ttl_s: 300}
 limits:
   - {model: gpt-public, requests_per_minute: 600, burst: 100}
   - {model: chat, key_id: full, tokens: 100000000, token_window: 1h}
+  - {model: other, requests_per_minute: 6000, burst: 1000}
+  - {model: other, key_id: full, tokens: 100000000, token_window: 1h}
+tracing: {endpoint: "%(otlp)s", schedule_delay_ms: 50, sampler: always_on}
 """
 # What chat-ab reserves: its arms' models and their metadata aliases.
 RESERVED = ("llama-3.1-8b", "qwen3-8b", "secret-9b", "llama", "qwen-alias")
 
 
 @pytest.fixture(scope="module")
-def realistic(stack_factory):
-    return stack_factory(REALISTIC % {"closed": free_port()})
+def otlp_receiver():
+    receiver = GrpcReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def realistic(stack_factory, otlp_receiver):
+    return stack_factory(REALISTIC % {"closed": free_port(), "otlp": otlp_receiver.endpoint})
