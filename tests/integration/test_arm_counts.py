@@ -53,13 +53,19 @@ def server_errors(stack, variant: str) -> float:
                   status="server_error")
 
 
-def test_envoys_503_and_504_on_arms_count_on_those_arms(realistic):  # noqa: F811
+def one_caller_per_arm(stack) -> dict[str, str]:
+    """A caller key for each of other-ab's two arms."""
     callers: dict[str, str] = {}
     for i in range(64):
-        callers.setdefault(arm_of(realistic, f"c{i}"), f"c{i}")
+        callers.setdefault(arm_of(stack, f"c{i}"), f"c{i}")
         if len(callers) == 2:
             break
     assert set(callers) == {"live", "gone"}
+    return callers
+
+
+def test_envoys_503_and_504_on_arms_count_on_those_arms(realistic):  # noqa: F811
+    callers = one_caller_per_arm(realistic)
     before = {v: server_errors(realistic, v) for v in callers}
     refused = httpx.post(realistic.url + "/v1/chat/completions", json=body("other"), timeout=30,
                          headers={**FULL, "x-caller": callers["gone"]})
@@ -81,12 +87,7 @@ def moved(stack, before: dict) -> dict:
 
 
 def test_503_and_504_count_on_their_arms_through_every_ingress_and_name(realistic, otlp_receiver):  # noqa: F811
-    callers: dict[str, str] = {}
-    for i in range(64):
-        callers.setdefault(arm_of(realistic, f"c{i}"), f"c{i}")
-        if len(callers) == 2:
-            break
-    assert set(callers) == {"live", "gone"}
+    callers = one_caller_per_arm(realistic)
     errors = metric(realistic, "model_router_stream_errors_total")
     sent = []
     for path, names in EXPERIMENTED.items():
