@@ -90,11 +90,13 @@ def entry_of(log_entry) -> Entry:
     flags = common.response_flags
     flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
     headers = log_entry.request.request_headers
-    via_upstream = log_entry.response.response_code_details == "via_upstream"
+    response = log_entry.response  # (each attribute read builds a new wrapper: read each once)
+    via_upstream = response.response_code_details == "via_upstream"
+    start = common.start_time
     return Entry(
         decision=decision,
-        status=log_entry.response.response_code.value,
-        start=common.start_time.seconds + common.start_time.nanos / 1e9,
+        status=response.response_code.value,
+        start=start.seconds + start.nanos / 1e9,
         headers_s=_seconds(common.time_to_first_downstream_tx_byte),
         total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
         prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
