@@ -150,16 +150,17 @@ _Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, s
 
 def _read_headers(st: _Stream, msg: pb.HttpHeaders) -> dict[str, str]:
     """The request headers as a dict (as ``header_map`` reads them), counting
-    them and their bytes for the header limits in the same pass."""
+    them and their bytes for the header limits."""
     out: dict[str, str] = {}
-    size = 0
     entries = msg.headers.headers
     for x in entries:
-        key, raw = x.key, x.raw_value
-        value = raw.decode("latin-1") if raw else x.value
-        out[key] = value
-        size += len(key) + len(value)
-    st.header_count, st.header_bytes = len(entries), size
+        raw = x.raw_value
+        out[x.key] = raw.decode("latin-1") if raw else x.value
+    st.header_count = len(entries)
+    if len(out) == len(entries):  # no name repeated: the dict holds every byte, summed natively
+        st.header_bytes = sum(map(len, out)) + sum(map(len, out.values()))
+    else:
+        st.header_bytes = sum(len(x.key) + (len(x.raw_value) or len(x.value)) for x in entries)
     return out
 
 
