@@ -16,6 +16,7 @@ can fail or slow a client request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -89,11 +90,13 @@ def entry_of(log_entry: Any) -> Entry:
     flags = common.response_flags
     flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
     headers = log_entry.request.request_headers
-    via_upstream = log_entry.response.response_code_details == "via_upstream"
+    response = log_entry.response  # (each attribute read builds a new wrapper: read each once)
+    via_upstream = response.response_code_details == "via_upstream"
+    start = common.start_time
     return Entry(
         decision=decision,
-        status=log_entry.response.response_code.value,
-        start=common.start_time.seconds + common.start_time.nanos / 1e9,
+        status=response.response_code.value,
+        start=start.seconds + start.nanos / 1e9,
         headers_s=_seconds(common.time_to_first_downstream_tx_byte),
         total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
         prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
@@ -127,10 +130,11 @@ def _plain(struct: Any) -> dict[str, Any]:  # a protobuf Struct
     for k in fields:  # (items() goes through the Mapping mixin, in Python)
         v = fields[k]
         which = v.WhichOneof("kind")
-        out[k] = v.string_value if which == "string_value" else v.bool_value if which == "bool_value" else (
-            v.number_value if which == "number_value" else None
-        )
+        out[k] = getattr(v, which) if which in _SCALARS else None
     return out
+
+
+_SCALARS = frozenset(("string_value", "bool_value", "number_value"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,18 +291,29 @@ class Meter:
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
-        for e in entries:
-            metrics.ACCESS_LOG_ENTRIES.inc()
-            # Each step on its own: one that fails loses neither this entry's
-            # other accounts nor the rest of the batch.
-            for step in (self._count, *(o.observe for o in self.observers)):
-                try:
-                    step(e)
-                except Exception:
-                    metrics.STREAM_ERRORS.inc()
-                    log.exception("an access-log entry could not be accounted")
-            if self.sink is not None and (rec := usage_record(e)) is not None:
-                records.append(rec)
+        # A batch's counter increments, summed per child and added once at the
+        # end (a batch is mostly one arm's requests; each ``inc`` takes a lock).
+        tally: dict[Any, float] = {}
+        steps = (functools.partial(self._count, tally=tally), *(o.observe for o in self.observers))
+        count = 0
+        try:
+            for e in entries:
+                count += 1
+                # Each step on its own: one that fails loses neither this entry's
+                # other accounts nor the rest of the batch.
+                for step in steps:
+                    try:
+                        step(e)
+                    except Exception:
+                        metrics.STREAM_ERRORS.inc()
+                        log.exception("an access-log entry could not be accounted")
+                if self.sink is not None and (rec := usage_record(e)) is not None:
+                    records.append(rec)
+        finally:
+            if count:
+                metrics.ACCESS_LOG_ENTRIES.inc(count)
+            for child, n in tally.items():
+                child.inc(n)
         if records and self.sink is not None:
             try:
                 self.sink.write(records)
@@ -306,7 +321,7 @@ class Meter:
                 metrics.USAGE_RECORDS_DROPPED.inc(len(records))
                 log.error("usage records could not be written: %s", exc)
 
-    def _count(self, e: Entry) -> None:
+    def _count(self, e: Entry, tally: dict[Any, float]) -> None:
         d = e.decision
         kind = d.get("kind")
         backend = d.get("backend")
@@ -327,7 +342,8 @@ class Meter:
         if not experiment or not variant:
             return
         if kind in _COUNTED_KINDS:
-            metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.get("assignment") or "sticky").inc()
+            child = metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.get("assignment") or "sticky")
+            tally[child] = tally.get(child, 0) + 1
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:
                 metrics.EXPERIMENT_DURATION_OF(experiment, variant).observe(duration)
@@ -339,7 +355,8 @@ class Meter:
         tokens = billed(e)
         for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
             if n:
-                metrics.EXPERIMENT_TOKENS_OF(experiment, variant, name).inc(n)
+                child = metrics.EXPERIMENT_TOKENS_OF(experiment, variant, name)
+                tally[child] = tally.get(child, 0) + n
                 if tokens.estimated:
                     metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
 

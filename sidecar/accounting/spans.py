@@ -188,8 +188,9 @@ def upstream_traceparent(client: str | None, new_id: Callable[[int], bytes] = os
     (hex), which the decision publishes so the span is built with it."""
     if parse_traceparent(client) is not None:
         return None
-    span_id = new_id(8).hex()
-    return f"00-{new_id(16).hex()}-{span_id}-01", span_id
+    raw = new_id(24)  # one draw: the span's id, then the trace's
+    span_id = raw[:8].hex()
+    return f"00-{raw[8:].hex()}-{span_id}-01", span_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,16 +153,17 @@ _Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, s
 
 def _read_headers(st: _Stream, msg: pb.HttpHeaders) -> dict[str, str]:
     """The request headers as a dict (as ``header_map`` reads them), counting
-    them and their bytes for the header limits in the same pass."""
+    them and their bytes for the header limits."""
     out: dict[str, str] = {}
-    size = 0
     entries = msg.headers.headers
     for x in entries:
-        key, raw = x.key, x.raw_value
-        value = raw.decode("latin-1") if raw else x.value
-        out[key] = value
-        size += len(key) + len(value)
-    st.header_count, st.header_bytes = len(entries), size
+        raw = x.raw_value
+        out[x.key] = raw.decode("latin-1") if raw else x.value
+    st.header_count = len(entries)
+    if len(out) == len(entries):  # no name repeated: the dict holds every byte, summed natively
+        st.header_bytes = sum(map(len, out)) + sum(map(len, out.values()))
+    else:
+        st.header_bytes = sum(len(x.key) + (len(x.raw_value) or len(x.value)) for x in entries)
     return out
 
 
@@ -248,19 +249,20 @@ class Processor(pbg.ExternalProcessorServicer):
                     if hop is not None:
                         yield hop.body(req.request_body)
                         return
-                    if not await self.json_budget.within(req.request_body.body):
+                    body = req.request_body.body  # each read of the field is a copy of the whole body
+                    if not await self.json_budget.within(body):
                         yield self._refuse(self._too_complex(st), st)
                         return
                     if st.ingress is None and not st.passthrough and is_feedback(st.path):
-                        yield await self._feedback(st, req.request_body.body)
+                        yield await self._feedback(st, body)
                         return
-                    resp = self._request_body(st, req.request_body)
+                    resp = self._request_body(st, body)
                     plan = st.route.plan if st.route is not None else None
                     if plan is not None and plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
                         deadline = st.snap.config.web_search.deadline_s + 5
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
-                        resp = await self._online(st, req.request_body.body)
+                        resp = await self._online(st, body)
                     elif plan is not None and plan.cache is not None and plan.cache.read:
                         resp = await self._from_cache(st) or resp
                     yield await self._shared_budgets(st, resp)
@@ -356,10 +358,10 @@ class Processor(pbg.ExternalProcessorServicer):
             return self._decide(st, b"", phase="headers")
         return _BODY_NEXT
 
-    def _request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    def _request_body(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         if st.passthrough:
-            return self._pass(st, msg.body, phase="body")
-        return self._decide(st, msg.body, phase="body")
+            return self._pass(st, body, phase="body")
+        return self._decide(st, body, phase="body")
 
     def _pass(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         """A path outside the ingress table, judged on the models it names."""

@@ -60,6 +60,7 @@ _floor = math.floor
 _INF = math.inf
 _NAN = math.nan
 _TWO_POW_53 = 9007199254740992.0  # 2.0**53, exact
+PICKED_LIMIT = 16_384  # callers whose winner one Race remembers before starting over
 _MAX_WEIGHT = 1 << 53  # weights must be exactly representable as binary64
 _MAX_U64 = 1 << 64
 
@@ -137,7 +138,7 @@ class Race:
     :func:`salt_prefix`).
     """
 
-    __slots__ = ("variants", "_ids", "_racers", "_zero_scores", "_n", "_n_racing")
+    __slots__ = ("variants", "_ids", "_racers", "_zero_scores", "_n", "_n_racing", "_picked")
 
     def __init__(self, variants: Sequence[tuple[str, int]]) -> None:
         ids: list[str] = []
@@ -167,6 +168,7 @@ class Race:
         )
         self._n = len(ids)
         self._n_racing = len(racers)
+        self._picked: dict[bytes, int] = {}  # caller key -> winner (a pure function of it; bounded)
 
     def __repr__(self) -> str:
         return f"Race({list(self.variants)!r})"
@@ -217,14 +219,21 @@ class Race:
         return self.pick_key(caller)
 
     def pick_key(self, caller: bytes) -> int:
-        """Winning variant index for a caller key from :meth:`caller_key`."""
-        best = -1
+        """Winning variant index for a caller key from :meth:`caller_key`
+        (remembered: a returning caller costs a dict lookup, not a hash and a
+        logarithm per variant)."""
+        best = self._picked.get(caller, -1)
+        if best >= 0:
+            return best
         best_score = _INF
         for i, _vid, enc, _w, fw in self._racers:
             m = _unpack_u64(_sha256(caller + enc).digest())[0] >> 11
             s = -_log((m + 0.5) / _TWO_POW_53) / fw
             if s < best_score:  # strict: exact ties keep the earlier-declared variant
                 best, best_score = i, s
+        if len(self._picked) >= PICKED_LIMIT:
+            self._picked.clear()
+        self._picked[caller] = best
         return best
 
     def assign(

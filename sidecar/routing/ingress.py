@@ -137,8 +137,8 @@ def path_problem(path: str) -> str | None:
     would turn path bytes into a query, a fragment or a broken request line.
     """
     base = path.partition("?")[0]
-    if "%" not in base and all(0x20 < ord(c) < 0x7F for c in base):
-        return None
+    if "%" not in base and base.isascii() and base.isprintable() and " " not in base:
+        return None  # every character visible ASCII (0x21-0x7E), checked natively
     try:
         decoded = unquote_to_bytes(base).decode("utf-8")
     except UnicodeDecodeError:
