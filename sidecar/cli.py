@@ -70,7 +70,10 @@ def cmd_serve(args) -> int:
         args.grpc_listen or cfg.server.grpc_listen, args.admin_listen or cfg.server.admin_listen, workers
     )
     overrides = _pairs(args.backend_url, "--backend-url")
-    if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
+    if args.no_supervisor and workers != 1:
+        print(f"error: --no-supervisor runs one process; {workers} workers asked for", file=sys.stderr)
+        return 1
+    if workers_mod.supervised() or args.no_supervisor or (workers == 1 and not cfg.server.max_requests_per_worker):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
               url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format,
               grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root,
@@ -350,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-path-root", metavar="DIR",
                    help="PUT /admin/config may point file fields (metering.usage_records, ...) only inside DIR "
                         "(default: it may not change them)")
+    s.add_argument("--no-supervisor", action="store_true",
+                   help="one process, no worker supervisor: at server.max_requests_per_worker it goes unready, "
+                        "drains and exits 0 for what runs it (Kubernetes, systemd) to start it again")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")

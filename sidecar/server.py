@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 import tracemalloc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -49,6 +49,9 @@ from .tracing import Tracer
 log = logging.getLogger("model_router.server")
 
 _ADMIN_BODY_LIMIT = 16 * 1024 * 1024  # a config or a request to explain
+# Unready before draining, when a process without a supervisor reaches its bound:
+# as long as the generated pods' preStop sleep.
+RETIRE_WAIT_S = 10.0
 
 
 class Runtime:
@@ -78,6 +81,7 @@ class Runtime:
         # Each worker draws its own bound near the configured one, so they do not recycle together.
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
+        self.on_due: Callable[[], None] | None = None  # without a supervisor: what to do at the bound
         self.budgets = Budgets(lambda: self.snapshot)
         metrics.prime(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
@@ -126,11 +130,17 @@ class Runtime:
         log.info("model lists discovered: %s", {k: len(v) for k, v in discovered.items()})
 
     def count_request(self) -> None:
-        """One more request decided here; the supervisor hears once the bound is reached."""
+        """One more request decided here; once the bound is reached the
+        supervisor hears, or without one the process retires (``on_due``)."""
         self.requests += 1
         if self.requests == self.recycle_after:
-            log.info("%d requests served: asking for a replacement", self.requests)
-            workers.notify("recycle")
+            if workers.supervised():
+                log.info("%d requests served: asking for a replacement", self.requests)
+                workers.notify("recycle")
+            elif self.on_due is not None:
+                log.info("%d requests served: leaving the endpoints, draining and exiting to be started again",
+                         self.requests)
+                self.on_due()
 
     def backend_states(self):
         return self.monitor.states if self.monitor is not None else {}
@@ -482,6 +492,18 @@ async def serve_async(
 
     loop.add_signal_handler(signal.SIGUSR1, recycle)
 
+    retiring = False
+
+    def retire() -> None:
+        # No supervisor (serve --no-supervisor): leave the endpoints, drain and
+        # exit 0 for whatever runs this process (Kubernetes, systemd) to start it again.
+        nonlocal grace, retiring
+        grace = float(runtime.snapshot.config.envoy.upstream_timeout_s or 86_400)
+        retiring = True
+        stop.set()
+
+    runtime.on_due = retire
+
     async def watch() -> None:
         while not stop.is_set():
             await asyncio.sleep(runtime.snapshot.config.server.reload_interval_ms / 1000)
@@ -502,6 +524,10 @@ async def serve_async(
     if recycling:
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
+    if retiring:
+        # Until Kubernetes has taken the pod out of its endpoints (readiness)
+        # and Envoy's health check has seen NOT_SERVING, streams may still come.
+        await asyncio.sleep(RETIRE_WAIT_S)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await tracer.close()
     processor.json_budget.close()

@@ -115,7 +115,14 @@ def test_envoy_config_lists_one_endpoint_per_worker(tmp_path):
     sidecar = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "model-router-sidecar")
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
              for e in sidecar["load_assignment"]["endpoints"][0]["lb_endpoints"]]
-    assert ports == [6000, 6001, 6002]
+    # Workers recycle by default: each replacement starts on its slot's standby port.
+    assert ports == [6000, 6001, 6002, 6003, 6004, 6005]
+    cfg.write_text(cfg.read_text().replace("workers: 3}", "workers: 3, max_requests_per_worker: 0}"))
+    out = subprocess.run([sys.executable, "-m", "sidecar", "envoy-config", "--config", str(cfg)],
+                         capture_output=True, text=True, check=True).stdout
+    sidecar = next(c for c in yaml.safe_load(out)["static_resources"]["clusters"] if c["name"] == "model-router-sidecar")
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"]
+            for e in sidecar["load_assignment"]["endpoints"][0]["lb_endpoints"]] == [6000, 6001, 6002]
 
 
 # ------------------------------------------------------------------ supervision
