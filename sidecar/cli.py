@@ -73,11 +73,15 @@ def cmd_serve(args) -> int:
     if args.no_supervisor and workers != 1:
         print(f"error: --no-supervisor runs one process; {workers} workers asked for", file=sys.stderr)
         return 1
-    if workers_mod.supervised() or args.no_supervisor or (workers == 1 and not cfg.server.max_requests_per_worker):
+    bound = cfg.server.max_requests_per_worker if args.max_requests_per_worker is None else args.max_requests_per_worker
+    if bound < 0:
+        print("error: --max-requests-per-worker must be 0 or more", file=sys.stderr)
+        return 1
+    if workers_mod.supervised() or args.no_supervisor or (workers == 1 and not bound):
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
               url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format,
               grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root,
-              grpc_trust_network=args.grpc_trust_network)
+              grpc_trust_network=args.grpc_trust_network, recycle_bound=args.max_requests_per_worker)
         return 0
     # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
@@ -91,8 +95,10 @@ def cmd_serve(args) -> int:
         extra += ["--admin-path-root", args.admin_path_root]
     if args.grpc_trust_network:
         extra.append("--grpc-trust-network")
+    if args.max_requests_per_worker is not None:
+        extra += ["--max-requests-per-worker", str(args.max_requests_per_worker)]
 
-    standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
+    standby = standby_addresses(grpc_addrs) if bound else []
 
     def worker_argv(i: int, on_standby: bool) -> list[str]:
         grpc_listen = standby[i] if on_standby else grpc_addrs[i]
@@ -197,7 +203,9 @@ def cmd_up(args) -> int:
         return 1
     cfg = loaded.config
     logs = Path(tempfile.mkdtemp(prefix="model-router-logs-"))
-    stack = Stack(Path(path), listen=args.listen, sidecars=cfg.server.workers, config_ports=True, workdir=logs)
+    # Under the product's supervisor when workers recycle (the default), as serve runs them.
+    stack = Stack(Path(path), listen=args.listen, sidecars=cfg.server.workers, config_ports=True, workdir=logs,
+                  supervised=bool(cfg.server.max_requests_per_worker))
     stopping = False
 
     def on_signal(signum, frame):
@@ -353,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-path-root", metavar="DIR",
                    help="PUT /admin/config may point file fields (metering.usage_records, ...) only inside DIR "
                         "(default: it may not change them)")
+    s.add_argument("--max-requests-per-worker", type=int, metavar="N",
+                   help="recycle a worker after about N requests; 0: never (overrides server.max_requests_per_worker)")
     s.add_argument("--no-supervisor", action="store_true",
                    help="one process, no worker supervisor: at server.max_requests_per_worker it goes unready, "
                         "drains and exits 0 for what runs it (Kubernetes, systemd) to start it again")

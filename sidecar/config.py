@@ -45,10 +45,12 @@ MAX_VARIANTS = 16
 MAX_WEIGHT = 1_000_000
 TTL_MIN = 60
 TTL_MAX = 365 * 86400
-# Requests a worker answers before it is replaced: at the measured native growth
-# (about 55 bytes per request, docs/performance.md) a worker stays within about
-# 60 MB of its start, 120 MB at twice that growth.
-DEFAULT_MAX_REQUESTS_PER_WORKER = 1_000_000
+# Requests a worker answers before the supervisor replaces it: at the measured
+# native growth (about 70 bytes per request, docs/performance.md) a worker stays
+# within about 5 MB of a fresh one (its bound is drawn within 10 %).
+DEFAULT_MAX_REQUESTS_PER_WORKER = 50_000
+# Without the supervisor (a pod) a recycle is a container restart: rarer.
+DEFAULT_RETIRE_AFTER = 2_000_000
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _TTL_RE = re.compile(r"([0-9]+)([smhd]?)")
 _TTL_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

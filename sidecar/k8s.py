@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from . import k8s_access
-from .config import Config
+from .config import DEFAULT_RETIRE_AFTER, Config
 from .envoyconf import backend_routes
 from .response_stream import RESPONSE_HEADER
 from .snapshot import BACKEND_HEADER, _split
@@ -129,10 +129,13 @@ def _container(name: str, opts: Options, args: list[str], ports: list[dict], **e
 
 def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
     secret = f"{opts.name}-config"
-    # One process on one port: at server.max_requests_per_worker it goes unready,
-    # drains and exits 0, and the kubelet starts the container again.
+    # One process on one port: at its bound it goes unready, drains and exits 0,
+    # and the kubelet starts the container again (after its restart backoff), so
+    # unless the config sets a bound the pod's is larger than the supervisor's.
     args = ["serve", "--config", f"{CONFIG_DIR}/config.yaml", "--workers", "1", "--no-supervisor",
             "--grpc-listen", f"0.0.0.0:{GRPC_PORT}", "--admin-listen", f"0.0.0.0:{ADMIN_PORT}"]
+    if "max_requests_per_worker" not in config.server.model_fields_set:
+        args += ["--max-requests-per-worker", str(DEFAULT_RETIRE_AFTER)]
     for r in refs.values():
         if r.demo:
             args += ["--backend-url", f"{r.backend}=http://{r.service}:{r.port}"]

@@ -60,6 +60,7 @@ class Runtime:
     def __init__(
         self, path: str | Path, url_overrides: Mapping[str, str] | None = None, usage_records: str | None = None,
         grpc_secret_file: str | None = None, admin_path_root: str | None = None,
+        recycle_bound: int | None = None,
     ):
         self.path = Path(path)
         self.admin_path_root = admin_path_root  # where the admin API may point file fields
@@ -77,7 +78,7 @@ class Runtime:
         self._http = None
         self.usage_records = usage_records  # overrides metering.usage_records
         self._sink: JsonLinesSink | None = None
-        bound = loaded.config.server.max_requests_per_worker
+        bound = loaded.config.server.max_requests_per_worker if recycle_bound is None else recycle_bound
         # Each worker draws its own bound near the configured one, so they do not recycle together.
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
@@ -402,8 +403,9 @@ async def serve_async(
     grpc_secret_file: str | None = None,
     admin_path_root: str | None = None,
     grpc_trust_network: bool = False,
+    recycle_bound: int | None = None,
 ) -> None:
-    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root)
+    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root, recycle_bound)
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen

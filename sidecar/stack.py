@@ -387,6 +387,10 @@ class Stack:
         w.ready_by = None
         how = describe_exit(code)
         delay = w.restarts.exited(now)
+        if proc.name == "sidecar-supervisor" and code == 1:
+            # The worker supervisor gives up (exit 1) on a worker that keeps
+            # dying, or on a config it cannot serve: starting it again would not help.
+            raise StackError(f"{proc.name} exited ({how}): it gave up; see its log ({proc.log}){self._tail(proc.name)}")
         if delay is None:
             raise StackError(f"{proc.name} exited ({how}) {w.restarts.window()}; "
                              f"giving up (log: {proc.log}){self._tail(proc.name)}")

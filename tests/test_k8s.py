@@ -200,7 +200,8 @@ def test_the_pod_recycles_its_one_process_by_exiting(tmp_path):
     """A pod runs one sidecar on one port: it recycles at the bound by going
     unready, draining and exiting for the kubelet to start it again."""
     path = tmp_path / "c.yaml"
-    for server, bound in (("", config_mod.DEFAULT_MAX_REQUESTS_PER_WORKER), ("server: {max_requests_per_worker: 1000}\n", 1000)):
+    for server, flag in (("", ["--max-requests-per-worker", str(config_mod.DEFAULT_RETIRE_AFTER)]),
+                         ("server: {max_requests_per_worker: 1000}\n", [])):
         path.write_text(server + "backends: [{name: a, url: 'http://a:8000'}]\n")
         out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)],
                              capture_output=True, text=True)
@@ -209,9 +210,13 @@ def test_the_pod_recycles_its_one_process_by_exiting(tmp_path):
         deployment = next(d for d in docs if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "model-router")
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert container["args"][:5] == ["serve", "--config", "/etc/model-router/config.yaml", "--workers", "1"]
-        assert "--no-supervisor" in container["args"]
-        secret = next(d for d in docs if d and d["kind"] == "Secret")
-        assert config_mod.parse(secret["stringData"]["config.yaml"]).config.server.max_requests_per_worker == bound
+        # A recycle restarts the container: unless the config sets a bound, a larger one than the supervisor's.
+        args = container["args"]
+        assert args[5] == "--no-supervisor"
+        if flag:
+            assert args[args.index(flag[0]):args.index(flag[0]) + 2] == flag
+        else:
+            assert "--max-requests-per-worker" not in args
 
 
 # ------------------------------------------------------------ Envoy parts
