@@ -14,7 +14,8 @@ and Anthropic messages, each with a caller key drawn from a large pool so
 per-caller state, if any, would grow (``--keys N`` cycles a pool of N keys
 instead). ``--rate`` paces them (``half``: half of what the stack answers
 closed-loop over 20 s, measured first). Every ``--interval`` seconds it
-samples the sidecar's VmRSS and, from ``/admin/memory``, Python's allocated
+samples the sidecar's VmRSS (under the supervisor, of the worker serving each
+slot: a draining one and its replacement overlap for a few seconds) and, from ``/admin/memory``, Python's allocated
 blocks, tracked objects and (``--tracemalloc``) traced bytes: a growing RSS
 with a flat Python heap is native memory.
 
@@ -88,13 +89,25 @@ def rss_kb(pid: int) -> int:
 
 
 def sidecar_rss_kb(stack: Stack) -> int:
-    """The sidecar's RSS; under the worker supervisor, its workers' (a draining one included)."""
+    """The sidecar's RSS; under the worker supervisor, that of the oldest worker
+    of each slot: during a recycle, the one that served until its replacement
+    took over (counting both would read as a spike; the replacement alone, while
+    it still starts, as a dip)."""
     proc = stack._procs.get("sidecar-0") or stack._procs["sidecar-supervisor"]
     pid = proc.popen.pid
     if "sidecar-0" in stack._procs:
         return rss_kb(pid)
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(rss_kb(int(k)) for k in kids)
+    oldest: dict[str, tuple[int, int]] = {}  # slot (its admin address) -> (start time, pid)
+    for kid in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
+        try:
+            argv = Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")
+            started = int(Path(f"/proc/{kid}/stat").read_text().rpartition(")")[2].split()[19])
+        except OSError:
+            continue  # it exited meanwhile
+        slot = argv[argv.index(b"--admin-listen") + 1].decode() if b"--admin-listen" in argv else str(kid)
+        if slot not in oldest or started < oldest[slot][0]:
+            oldest[slot] = (started, kid)
+    return sum(rss_kb(kid) for _, kid in oldest.values())
 
 
 class Trivial:
@@ -377,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
             if trivial is not None:
                 trivial.stop()
             stack.stop()
+        recycles = stack.log("sidecar-supervisor").count(" recycled: ") if trivial is None else 0
         flat, why = verdict(samples, warmup)
         errors = sum(load.errors.values()) if load else 0
-        print(f"requests: {dict(load.counts) if load else {}}; errors: {errors}")
+        print(f"requests: {dict(load.counts) if load else {}}; errors: {errors}; worker recycles: {recycles}")
         for err, n in (load.errors.most_common(5) if load else []):
             print(f"  {n} x {err}")
         print(f"verdict: {'FLAT' if flat else 'GROWING'}: {why}")
