@@ -56,10 +56,10 @@ def _quiet_grpc_for_json(argv: list[str]) -> None:
 
 
 def cmd_serve(args) -> int:
+    # Light imports first: as the worker supervisor this process loads only the
+    # config; gRPC and the server come in where it serves.
     from . import workers as workers_mod
-    from .envoyconf import standby_addresses
-    from .logs import setup as setup_logging
-    from .server import serve, worker_addresses
+    from .workers import standby_addresses, worker_addresses
 
     loaded = load_config(args.config)
     if loaded is None:
@@ -78,6 +78,8 @@ def cmd_serve(args) -> int:
         print("error: --max-requests-per-worker must be 0 or more", file=sys.stderr)
         return 1
     if workers_mod.supervised() or args.no_supervisor or (workers == 1 and not bound):
+        from .server import serve
+
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
               url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format,
               grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root,
@@ -104,6 +106,8 @@ def cmd_serve(args) -> int:
         grpc_listen = standby[i] if on_standby else grpc_addrs[i]
         return [sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
                 "--grpc-listen", grpc_listen, "--admin-listen", admin_addrs[i], *extra]
+
+    from .logs import setup as setup_logging
 
     setup_logging(args.log_format)
     return workers_mod.serve_workers(worker_argv, grpc_addrs + standby + admin_addrs, workers)
@@ -141,7 +145,7 @@ def _envoy_secret(cfg, path: str | None, create: bool) -> str | None:
 
 def cmd_envoy_config(args) -> int:
     from . import envoyconf, grpc_auth
-    from .server import worker_addresses
+    from .workers import worker_addresses
 
     loaded = load_config(args.config)
     if loaded is None:
@@ -339,10 +343,7 @@ def _add_explain(sub) -> None:
     ex.set_defaults(func=cmd_explain)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="run the sidecar (gRPC ext_proc + admin HTTP)")
     s.add_argument("--config", required=True)
     s.add_argument("--grpc-listen", help="host:port for the ext_proc gRPC server (overrides server.grpc_listen)")
@@ -367,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one process, no worker supervisor: at server.max_requests_per_worker it goes unready, "
                         "drains and exits 0 for what runs it (Kubernetes, systemd) to start it again")
     s.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_serve(sub)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")
     u.add_argument("--config", help="config file (default: the ab-testing template)")
@@ -417,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_grpc_for_json(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    _quiet_grpc_for_json(given)
+    if given[:1] == ["serve"]:
+        # The other commands' parsers import their modules (gRPC, aiohttp, the
+        # manifests...): serve, and so the worker supervisor, loads none of them.
+        p = argparse.ArgumentParser(prog="model-router")
+        _add_serve(p.add_subparsers(dest="command", required=True))
+        args = p.parse_args(argv)
+    else:
+        args = build_parser().parse_args(argv)
     return args.func(args) or 0

@@ -35,6 +35,7 @@ from .snapshot import (
     ROUTER_HEADER_PREFIXES,
     _split,
 )
+from .workers import standby_addresses
 
 _T = "type.googleapis.com/"
 
@@ -482,16 +483,6 @@ def header_guard() -> dict:
             ],
         },
     }
-
-
-def standby_addresses(addresses: Sequence[str]) -> list[str]:
-    """Where each recycling worker's replacement listens: its port plus the
-    number of workers (generations alternate between the two)."""
-    out = []
-    for a in addresses:
-        host, _, port = a.rpartition(":")
-        out.append(f"{host}:{int(port) + len(addresses)}")
-    return out
 
 
 def bootstrap(

@@ -376,18 +376,6 @@ def _grpc_gate(
     return grpc_auth.Gate(secret, auth), credentials
 
 
-def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
-    """Worker i listens on the configured ports plus i."""
-    def shifted(addr: str) -> list[str]:
-        if not addr:
-            return [""] * workers
-        host, port = _split_listen(addr)
-        host = f"[{host}]" if ":" in host else host
-        return [f"{host}:{port + i}" for i in range(workers)]
-
-    return shifted(grpc_listen), shifted(admin_listen)
-
-
 def _split_listen(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)

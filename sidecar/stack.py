@@ -24,7 +24,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import envoyconf, grpc_auth
 from .restarts import RestartPolicy, Restarts
-from .workers import port_in_use
+from .workers import port_in_use, standby_addresses
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -169,19 +169,19 @@ class Stack:
         if self.envoy_concurrency is None:
             self.envoy_concurrency = cfg.envoy.concurrency
         if self.config_ports:
-            from .server import worker_addresses
+            from .workers import worker_addresses
 
             self.listen = self.listen or cfg.envoy.listen
             self.sidecar_grpc, self.sidecar_admin = worker_addresses(
                 cfg.server.grpc_listen, cfg.server.admin_listen, self.sidecars
             )
             self.envoy_admin = cfg.envoy.admin_listen
-            standby = envoyconf.standby_addresses(self.sidecar_grpc) if self.supervised else []
+            standby = standby_addresses(self.sidecar_grpc) if self.supervised else []
             for addr in [self.listen, self.envoy_admin, *self.sidecar_grpc, *standby, *self.sidecar_admin]:
                 if not port_free(addr):
                     raise StackError(f"{addr} is already in use (is another model-router or Envoy running?)")
         elif self.supervised:
-            from .server import worker_addresses
+            from .workers import worker_addresses
 
             self.listen = self.listen or f"127.0.0.1:{free_port()}"
             self.sidecar_grpc, self.sidecar_admin = worker_addresses(

@@ -59,6 +59,29 @@ def restarts_so_far() -> dict[str, int]:
     return {"crash": int(os.environ.get(CRASHES_ENV, "0")), "recycle": int(os.environ.get(RECYCLES_ENV, "0"))}
 
 
+def worker_addresses(grpc_listen: str, admin_listen: str, workers: int) -> tuple[list[str], list[str]]:
+    """Worker i listens on the configured ports plus i."""
+    def shifted(addr: str) -> list[str]:
+        if not addr:
+            return [""] * workers
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]")
+        host = f"[{host}]" if ":" in host else host
+        return [f"{host}:{int(port) + i}" for i in range(workers)]
+
+    return shifted(grpc_listen), shifted(admin_listen)
+
+
+def standby_addresses(addresses: list[str]) -> list[str]:
+    """Where each recycling worker's replacement listens: its port plus the
+    number of workers (generations alternate between the two)."""
+    out = []
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        out.append(f"{host}:{int(port) + len(addresses)}")
+    return out
+
+
 def port_in_use(addr: str) -> bool:
     host, _, port = addr.rpartition(":")
     host = host.strip("[]")
