@@ -136,7 +136,7 @@ def main() -> None:
     try:
         stack.start()
         config = config_mod.load(cfg_path).config
-        boot = envoyconf.bootstrap(config, sidecar_addresses=stack.sidecar_grpc,
+        boot = envoyconf.bootstrap(config, standby=False, sidecar_addresses=stack.sidecar_grpc,
                                    backend_urls={"engine": stack.demo_urls["engine"]})
         bare, _, _ = bench_run.start_envoy(procs, work, "bare", bench_run.bare_bootstrap(boot, "engine"))
         router = stack.listen

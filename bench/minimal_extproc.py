@@ -15,6 +15,12 @@ Any other phase Envoy sends is answered with an empty response. The server
 also answers ``grpc.health.v1`` (SERVING), as the sidecar does: the bootstrap
 the benchmark shares with the router health-checks every ext_proc endpoint.
 SIGINT or SIGTERM stops the server.
+
+Two variants for memory comparisons (``bench/soak.py --processor``):
+``--end-stream`` returns right after the body answer, closing the stream with
+OK from the server's side (as the sidecar does) instead of waiting for Envoy to
+close it; ``--sync`` serves with grpcio's thread-pool server instead of
+grpc.aio (and ends streams the same way).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import threading
 
 import grpc
 import orjson
@@ -47,7 +54,8 @@ _MODE = pm.ProcessingMode(
 class MinimalProcessor(pbg.ExternalProcessorServicer):
     """Answers every stream with the fixed backend and the rewritten model."""
 
-    def __init__(self, backend: str, model: str) -> None:
+    def __init__(self, backend: str, model: str, end_stream: bool = False) -> None:
+        self.end_stream = end_stream
         self.backend = backend.encode()
         self.model = model
         self.headers_response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE)
@@ -72,6 +80,8 @@ class MinimalProcessor(pbg.ExternalProcessorServicer):
                 yield self.headers_response
             elif kind == "request_body":
                 yield self.body_response(req.request_body.body)
+                if self.end_stream:
+                    return
             elif kind == "response_headers":
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif kind == "response_body":
@@ -82,10 +92,49 @@ class MinimalProcessor(pbg.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
-async def serve(listen: str, backend: str, model: str) -> None:
+class SyncProcessor(pbg.ExternalProcessorServicer):
+    """The same answers from grpcio's synchronous server; the stream ends after the body answer."""
+
+    def __init__(self, backend: str, model: str) -> None:
+        self.inner = MinimalProcessor(backend, model)
+
+    def Process(self, request_iterator, context):
+        for req in request_iterator:
+            kind = req.WhichOneof("request")
+            if kind == "request_headers":
+                yield self.inner.headers_response
+            elif kind == "request_body":
+                yield self.inner.body_response(req.request_body.body)
+                return
+
+
+_OPTIONS = [("grpc.so_reuseport", 0), ("grpc.http2.max_pings_without_data", 0)]
+
+
+def serve_sync(listen: str, backend: str, model: str) -> None:
+    """grpcio's thread-pool server on ``listen`` until SIGINT or SIGTERM."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=_OPTIONS)
+    pbg.add_ExternalProcessorServicer_to_server(SyncProcessor(backend, model), server)
+    health_service = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    if server.add_insecure_port(listen) == 0:
+        raise SystemExit(f"cannot listen on {listen}")
+    server.start()
+    health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"minimal ext_proc (sync) ready on {listen}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1).wait()
+
+
+async def serve(listen: str, backend: str, model: str, end_stream: bool = False) -> None:
     """Serve on ``listen`` until SIGINT or SIGTERM."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.http2.max_pings_without_data", 0)])
-    pbg.add_ExternalProcessorServicer_to_server(MinimalProcessor(backend, model), server)
+    server = grpc.aio.server(options=_OPTIONS)
+    pbg.add_ExternalProcessorServicer_to_server(MinimalProcessor(backend, model, end_stream), server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     if server.add_insecure_port(listen) == 0:
@@ -106,8 +155,14 @@ def main() -> None:
     parser.add_argument("--listen", required=True, help="HOST:PORT for the gRPC server")
     parser.add_argument("--backend", required=True, help="Envoy cluster name to route every request to")
     parser.add_argument("--model", required=True, help="model name written into every request body")
+    parser.add_argument("--end-stream", action="store_true",
+                        help="end each stream from the server's side right after the body answer")
+    parser.add_argument("--sync", action="store_true", help="grpcio's thread-pool server instead of grpc.aio")
     args = parser.parse_args()
-    uvloop.run(serve(args.listen, args.backend, args.model))
+    if args.sync:
+        serve_sync(args.listen, args.backend, args.model)
+    else:
+        uvloop.run(serve(args.listen, args.backend, args.model, args.end_stream))
 
 
 if __name__ == "__main__":

@@ -1014,7 +1014,7 @@ def start_minimal(procs: Procs, backend: str, model: str, n: int = 2) -> tuple[l
 def start_trivial(procs: Procs, workdir: Path, cfg, stack: Stack, backend: str, model: str) -> tuple[str, str, int, list[int]]:
     """The trivial processors for ``backend`` behind the router's bootstrap minus its metering."""
     addrs, pids = start_minimal(procs, backend, model)
-    boot = envoyconf.bootstrap(cfg, sidecar_addresses=addrs, backend_urls=stack.demo_urls,
+    boot = envoyconf.bootstrap(cfg, standby=False, sidecar_addresses=addrs, backend_urls=stack.demo_urls,
                                listen="127.0.0.1:1", admin_listen="127.0.0.1:1")
     listen, admin, pid = start_envoy(procs, workdir, f"envoy-minimal-{backend}", trivial_bootstrap(boot))
     return listen, admin, pid, pids
@@ -1051,7 +1051,7 @@ def _start_beside(pool: ThreadPoolExecutor, procs: Procs, workdir: Path, cfg, st
         "router-sse": Target("router", LABELS["router"], stack.listen, stack.envoy_admin, sp["envoy"], sidecars,
                              engine_pid, list(stack.sidecar_admin)),
     }
-    boot = envoyconf.bootstrap(cfg, sidecar_addresses=stack.sidecar_grpc, backend_urls=stack.demo_urls,
+    boot = envoyconf.bootstrap(cfg, standby=False, sidecar_addresses=stack.sidecar_grpc, backend_urls=stack.demo_urls,
                                listen="127.0.0.1:1", admin_listen="127.0.0.1:1", grpc_secret=stack.grpc_secret)
     nolog = pool.submit(start_envoy, procs, workdir, "envoy-nolog", no_access_log_bootstrap(boot))
     bare = pool.submit(start_envoy, procs, workdir, "envoy-bare", bare_bootstrap(boot, NGINX_BACKEND))

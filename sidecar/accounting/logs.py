@@ -14,11 +14,12 @@ import logging
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
-from .metering import Entry
+if TYPE_CHECKING:  # the worker supervisor logs too, and loads no gRPC
+    from .metering import Entry
 
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -294,7 +294,9 @@ class Meter:
         # A batch's counter increments, summed per child and added once at the
         # end (a batch is mostly one arm's requests; each ``inc`` takes a lock).
         tally: dict[Any, float] = {}
-        steps = (functools.partial(self._count, tally=tally), *(o.observe for o in self.observers))
+        steps: tuple[Callable[[Entry], None], ...] = (
+            functools.partial(self._count, tally=tally), *(o.observe for o in self.observers)
+        )
         count = 0
         try:
             for e in entries:

@@ -56,9 +56,9 @@ def _quiet_grpc_for_json(argv: list[str]) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..accounting.logs import setup as setup_logging
+    # Light imports first: as the worker supervisor this process loads only the
+    # config; gRPC and the server come in where it serves.
     from ..serve import workers as workers_mod
-    from ..serve.server import serve
     from ..serve.workers import standby_addresses, worker_addresses
 
     loaded = load_config(args.config)
@@ -70,11 +70,20 @@ def cmd_serve(args) -> int:
         args.grpc_listen or cfg.server.grpc_listen, args.admin_listen or cfg.server.admin_listen, workers
     )
     overrides = _pairs(args.backend_url, "--backend-url")
-    if workers_mod.supervised() or (workers == 1 and not cfg.server.max_requests_per_worker):
+    if args.no_supervisor and workers != 1:
+        print(f"error: --no-supervisor runs one process; {workers} workers asked for", file=sys.stderr)
+        return 1
+    bound = cfg.server.max_requests_per_worker if args.max_requests_per_worker is None else args.max_requests_per_worker
+    if bound < 0:
+        print("error: --max-requests-per-worker must be 0 or more", file=sys.stderr)
+        return 1
+    if workers_mod.supervised() or args.no_supervisor or (workers == 1 and not bound):
+        from ..serve.server import serve
+
         serve(args.config, grpc_listen=grpc_addrs[0], admin_listen=admin_addrs[0],
               url_overrides=overrides, usage_records=args.usage_records, log_format=args.log_format,
               grpc_secret_file=args.grpc_secret_file, admin_path_root=args.admin_path_root,
-              grpc_trust_network=args.grpc_trust_network)
+              grpc_trust_network=args.grpc_trust_network, recycle_bound=args.max_requests_per_worker)
         return 0
     # One supervised process per worker, each its own ext_proc endpoint (see envoy-config).
     extra = [a for url in args.backend_url or [] for a in ("--backend-url", url)]
@@ -88,13 +97,17 @@ def cmd_serve(args) -> int:
         extra += ["--admin-path-root", args.admin_path_root]
     if args.grpc_trust_network:
         extra.append("--grpc-trust-network")
+    if args.max_requests_per_worker is not None:
+        extra += ["--max-requests-per-worker", str(args.max_requests_per_worker)]
 
-    standby = standby_addresses(grpc_addrs) if cfg.server.max_requests_per_worker else []
+    standby = standby_addresses(grpc_addrs) if bound else []
 
     def worker_argv(i: int, on_standby: bool) -> list[str]:
         grpc_listen = standby[i] if on_standby else grpc_addrs[i]
         return [sys.executable, "-m", "sidecar", "serve", "--config", args.config, "--workers", "1",
                 "--grpc-listen", grpc_listen, "--admin-listen", admin_addrs[i], *extra]
+
+    from ..accounting.logs import setup as setup_logging
 
     setup_logging(args.log_format)
     return workers_mod.serve_workers(worker_argv, grpc_addrs + standby + admin_addrs, workers)
@@ -195,7 +208,9 @@ def cmd_up(args) -> int:
         return 1
     cfg = loaded.config
     logs = Path(tempfile.mkdtemp(prefix="model-router-logs-"))
-    stack = Stack(Path(path), listen=args.listen, sidecars=cfg.server.workers, config_ports=True, workdir=logs)
+    # Under the product's supervisor when workers recycle (the default), as serve runs them.
+    stack = Stack(Path(path), listen=args.listen, sidecars=cfg.server.workers, config_ports=True, workdir=logs,
+                  supervised=bool(cfg.server.max_requests_per_worker))
     stopping = False
 
     def on_signal(signum, frame):
@@ -329,10 +344,7 @@ def _add_explain(sub) -> None:
     ex.set_defaults(func=cmd_explain)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="run the sidecar (gRPC ext_proc + admin HTTP)")
     s.add_argument("--config", required=True)
     s.add_argument("--grpc-listen", help="host:port for the ext_proc gRPC server (overrides server.grpc_listen)")
@@ -351,7 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-path-root", metavar="DIR",
                    help="PUT /admin/config may point file fields (metering.usage_records, ...) only inside DIR "
                         "(default: it may not change them)")
+    s.add_argument("--max-requests-per-worker", type=int, metavar="N",
+                   help="recycle a worker after about N requests; 0: never (overrides server.max_requests_per_worker)")
+    s.add_argument("--no-supervisor", action="store_true",
+                   help="one process, no worker supervisor: at server.max_requests_per_worker it goes unready, "
+                        "drains and exits 0 for what runs it (Kubernetes, systemd) to start it again")
     s.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="model-router", description="Envoy ext_proc sidecar for LLM model routing.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_serve(sub)
 
     u = sub.add_parser("up", help="run the local stack: Envoy, the sidecar and demo engines")
     u.add_argument("--config", help="config file (default: the ab-testing template)")
@@ -402,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_grpc_for_json(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    _quiet_grpc_for_json(given)
+    if given[:1] == ["serve"]:
+        # The other commands' parsers import their modules (gRPC, aiohttp, the
+        # manifests...): serve, and so the worker supervisor, loads none of them.
+        p = argparse.ArgumentParser(prog="model-router")
+        _add_serve(p.add_subparsers(dest="command", required=True))
+        args = p.parse_args(argv)
+    else:
+        args = build_parser().parse_args(argv)
     return args.func(args) or 0

@@ -47,6 +47,12 @@ MAX_VARIANTS = 16
 MAX_WEIGHT = 1_000_000
 TTL_MIN = 60
 TTL_MAX = 365 * 86400
+# Requests a worker answers before the supervisor replaces it: at the measured
+# native growth (about 70 bytes per request, docs/performance.md) a worker stays
+# within about 5 MB of a fresh one (its bound is drawn within 10 %).
+DEFAULT_MAX_REQUESTS_PER_WORKER = 50_000
+# Without the supervisor (a pod) a recycle is a container restart: rarer.
+DEFAULT_RETIRE_AFTER = 2_000_000
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _TTL_RE = re.compile(r"([0-9]+)([smhd]?)")
 _TTL_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -161,7 +167,8 @@ class Server(_Model):
     max_in_flight: Annotated[int, Field(ge=1, le=100_000)] = 256
     # Recycle a worker after about this many requests (each worker draws its
     # bound within 10 % of it, so they do not recycle together); 0: never.
-    max_requests_per_worker: Annotated[int, Field(ge=0)] = 0
+    # On by default: grpc.aio keeps native memory per stream (docs/performance.md).
+    max_requests_per_worker: Annotated[int, Field(ge=0)] = DEFAULT_MAX_REQUESTS_PER_WORKER
     # On SIGTERM, how long a worker lets its in-flight streams finish.
     drain_timeout_s: Annotated[int, Field(ge=0, le=3600)] = 30
     # closed: a request fails (503) when the sidecar cannot be reached; open:

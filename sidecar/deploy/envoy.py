@@ -489,6 +489,7 @@ def bootstrap(
     listen: str | None = None,
     admin_listen: str | None = None,
     grpc_secret: str | None = None,
+    standby: bool = True,
 ) -> dict:
     """Build the Envoy bootstrap (as a dict) for ``config``.
 
@@ -497,12 +498,15 @@ def bootstrap(
     stack passes the demo engines' addresses for ``demo://`` backends);
     ``grpc_secret`` is what Envoy sends the sidecar (default: the config's
     ``server.grpc_auth``; raises :class:`sidecar.serve.grpc_auth.SecretError` when
-    its file cannot be read).
+    its file cannot be read). With ``server.max_requests_per_worker`` the
+    cluster also lists each worker's standby port, where the supervisor starts
+    its replacement; ``standby=False`` leaves them out, for sidecars run
+    without the supervisor (``serve --no-supervisor``).
     """
     urls = dict(backend_urls or {})
     server = config.server
     sidecars = list(sidecar_addresses or [server.grpc_listen])
-    endpoints = sidecars + (workers.standby_addresses(sidecars) if server.max_requests_per_worker else [])
+    endpoints = sidecars + (workers.standby_addresses(sidecars) if standby and server.max_requests_per_worker else [])
     buffer_limit = buffer_limit_bytes(server)
     timeout_s = config.envoy.upstream_timeout_s
     fail_open = server.failure_mode == "open"

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from ..config.schema import Config
+from ..config.schema import DEFAULT_RETIRE_AFTER, Config
 from ..contract import RESPONSE_HEADER
 from ..routing.snapshot import BACKEND_HEADER, _split
 from . import k8s_access
@@ -129,8 +129,13 @@ def _container(name: str, opts: Options, args: list[str], ports: list[dict], **e
 
 def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
     secret = f"{opts.name}-config"
-    args = ["serve", "--config", f"{CONFIG_DIR}/config.yaml", "--workers", "1",
+    # One process on one port: at its bound it goes unready, drains and exits 0,
+    # and the kubelet starts the container again (after its restart backoff), so
+    # unless the config sets a bound the pod's is larger than the supervisor's.
+    args = ["serve", "--config", f"{CONFIG_DIR}/config.yaml", "--workers", "1", "--no-supervisor",
             "--grpc-listen", f"0.0.0.0:{GRPC_PORT}", "--admin-listen", f"0.0.0.0:{ADMIN_PORT}"]
+    if "max_requests_per_worker" not in config.server.model_fields_set:
+        args += ["--max-requests-per-worker", str(DEFAULT_RETIRE_AFTER)]
     for r in refs.values():
         if r.demo:
             args += ["--backend-url", f"{r.backend}=http://{r.service}:{r.port}"]
@@ -323,9 +328,6 @@ def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list
     from .k8s_gateways import envoy_gateway, istio, istio_cluster, istio_tls
     from .k8s_monitoring import monitoring
 
-    if config.server.max_requests_per_worker:
-        raise K8sError("server.max_requests_per_worker: a pod runs one sidecar process on one port (its "
-                       "replacement would listen on another); let Kubernetes replace pods instead")
     if config.fallback_chains and config.fallback_attempts:
         raise K8sError("fallback_attempts: moving a failed attempt to the next hop needs Envoy's composite "
                        "clusters, which only the product's own bootstrap has; set fallback_attempts: 0 "

@@ -26,7 +26,7 @@ from ..config import schema as config_mod
 from ..deploy import envoy as envoyconf
 from ..serve import grpc_auth
 from ..serve.restarts import RestartPolicy, Restarts
-from ..serve.workers import port_in_use
+from ..serve.workers import port_in_use, standby_addresses
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -110,8 +110,9 @@ class Stack:
     workdir: Path | None = None
     demo_urls: dict[str, str] = field(default_factory=dict)
     sidecars: int = 1  # sidecar processes, each a separate endpoint of the ext_proc cluster
-    # Run the sidecars as one ``serve --workers N`` (the product's own supervisor)
-    # instead of one process each supervised here.
+    # Run the sidecars as one ``serve --workers N`` (the product's own supervisor,
+    # recycling workers at server.max_requests_per_worker) instead of one
+    # ``serve --no-supervisor`` process each, restarted here when it exits.
     supervised: bool = False
     config_ports: bool = False  # use the config's listen addresses instead of free ports
     sidecar_grpc: list[str] = field(default_factory=list)
@@ -177,7 +178,8 @@ class Stack:
                 cfg.server.grpc_listen, cfg.server.admin_listen, self.sidecars
             )
             self.envoy_admin = cfg.envoy.admin_listen
-            for addr in [self.listen, self.envoy_admin, *self.sidecar_grpc, *self.sidecar_admin]:
+            standby = standby_addresses(self.sidecar_grpc) if self.supervised else []
+            for addr in [self.listen, self.envoy_admin, *self.sidecar_grpc, *standby, *self.sidecar_admin]:
                 if not port_free(addr):
                     raise StackError(f"{addr} is already in use (is another model-router or Envoy running?)")
         elif self.supervised:
@@ -220,6 +222,7 @@ class Stack:
             boot = envoyconf.bootstrap(
                 cfg, sidecar_addresses=self.sidecar_grpc, backend_urls=self.demo_urls,
                 listen=self.listen, admin_listen=self.envoy_admin, grpc_secret=self.grpc_secret,
+                standby=self.supervised,
             )
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoyconf.render(boot))
@@ -262,6 +265,8 @@ class Stack:
         # server.workers would otherwise make each of them start its own).
         argv = [sys.executable, "-m", "sidecar", "serve", "--config", str(self.config_path), "--workers", "1",
                 "--grpc-listen", self.sidecar_grpc[i], "--admin-listen", self.sidecar_admin[i]]
+        if not self.supervised:
+            argv.append("--no-supervisor")
         for name, url in self.demo_urls.items():
             argv += ["--backend-url", f"{name}={url}"]
         if self.usage_records is not None:
@@ -384,6 +389,10 @@ class Stack:
         w.ready_by = None
         how = describe_exit(code)
         delay = w.restarts.exited(now)
+        if proc.name == "sidecar-supervisor" and code == 1:
+            # The worker supervisor gives up (exit 1) on a worker that keeps
+            # dying, or on a config it cannot serve: starting it again would not help.
+            raise StackError(f"{proc.name} exited ({how}): it gave up; see its log ({proc.log}){self._tail(proc.name)}")
         if delay is None:
             raise StackError(f"{proc.name} exited ({how}) {w.restarts.window()}; "
                              f"giving up (log: {proc.log}){self._tail(proc.name)}")

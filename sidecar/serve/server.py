@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 import tracemalloc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -46,6 +46,9 @@ from . import admin_config, grpc_auth, workers
 log = logging.getLogger("model_router.server")
 
 _ADMIN_BODY_LIMIT = 16 * 1024 * 1024  # a config or a request to explain
+# Unready before draining, when a process without a supervisor reaches its bound:
+# as long as the generated pods' preStop sleep.
+RETIRE_WAIT_S = 10.0
 
 
 def prime_metrics(config: config_mod.Config) -> None:
@@ -62,6 +65,7 @@ class Runtime:
     def __init__(
         self, path: str | Path, url_overrides: Mapping[str, str] | None = None, usage_records: str | None = None,
         grpc_secret_file: str | None = None, admin_path_root: str | None = None,
+        recycle_bound: int | None = None,
     ):
         self.path = Path(path)
         self.admin_path_root = admin_path_root  # where the admin API may point file fields
@@ -79,10 +83,11 @@ class Runtime:
         self._http = None
         self.usage_records = usage_records  # overrides metering.usage_records
         self._sink: JsonLinesSink | None = None
-        bound = loaded.config.server.max_requests_per_worker
+        bound = loaded.config.server.max_requests_per_worker if recycle_bound is None else recycle_bound
         # Each worker draws its own bound near the configured one, so they do not recycle together.
         self.recycle_after = int(bound * random.uniform(0.9, 1.1)) if bound else 0
         self.requests = 0
+        self.on_due: Callable[[], None] | None = None  # without a supervisor: what to do at the bound
         self.budgets = Budgets(lambda: self.snapshot)
         prime_metrics(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
@@ -129,11 +134,17 @@ class Runtime:
         log.info("model lists discovered: %s", {k: len(v) for k, v in discovered.items()})
 
     def count_request(self) -> None:
-        """One more request decided here; the supervisor hears once the bound is reached."""
+        """One more request decided here; once the bound is reached the
+        supervisor hears, or without one the process retires (``on_due``)."""
         self.requests += 1
         if self.requests == self.recycle_after:
-            log.info("%d requests served: asking for a replacement", self.requests)
-            workers.notify("recycle")
+            if workers.supervised():
+                log.info("%d requests served: asking for a replacement", self.requests)
+                workers.notify("recycle")
+            elif self.on_due is not None:
+                log.info("%d requests served: leaving the endpoints, draining and exiting to be started again",
+                         self.requests)
+                self.on_due()
 
     def backend_states(self) -> Mapping[str, BackendState]:
         return self.monitor.states if self.monitor is not None else {}
@@ -378,8 +389,9 @@ async def serve_async(
     grpc_secret_file: str | None = None,
     admin_path_root: str | None = None,
     grpc_trust_network: bool = False,
+    recycle_bound: int | None = None,
 ) -> None:
-    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root)
+    runtime = Runtime(config_path, url_overrides, usage_records, grpc_secret_file, admin_path_root, recycle_bound)
     cfg = runtime.snapshot.config.server
     grpc_listen = grpc_listen or cfg.grpc_listen
     admin_listen = admin_listen or cfg.admin_listen
@@ -468,6 +480,18 @@ async def serve_async(
 
     loop.add_signal_handler(signal.SIGUSR1, recycle)
 
+    retiring = False
+
+    def retire() -> None:
+        # No supervisor (serve --no-supervisor): leave the endpoints, drain and
+        # exit 0 for whatever runs this process (Kubernetes, systemd) to start it again.
+        nonlocal grace, retiring
+        grace = float(runtime.snapshot.config.envoy.upstream_timeout_s or 86_400)
+        retiring = True
+        stop.set()
+
+    runtime.on_due = retire
+
     async def watch() -> None:
         while not stop.is_set():
             await asyncio.sleep(runtime.snapshot.config.server.reload_interval_ms / 1000)
@@ -488,6 +512,10 @@ async def serve_async(
     if recycling:
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
+    if retiring:
+        # Until Kubernetes has taken the pod out of its endpoints (readiness)
+        # and Envoy's health check has seen NOT_SERVING, streams may still come.
+        await asyncio.sleep(RETIRE_WAIT_S)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await tracer.close()
     processor.json_budget.close()

@@ -132,7 +132,9 @@ def test_the_compose_envoy_config_step_makes_a_bootstrap_envoy_accepts(tmp_path)
     assert done.returncode == 0, done.stderr
     boot = yaml.safe_load(out.read_text())
     endpoints = boot["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == ["sidecar"]
+    # The sidecar container's worker, and the port its replacement takes when it recycles (the default).
+    assert [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"]["port_value"])
+            for e in endpoints] == [("sidecar", 50051), ("sidecar", 50052)]
     res = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     # The sidecar reads the secret the step made; Envoy sends it on every call.

@@ -189,19 +189,35 @@ def test_what_the_manifests_cannot_express_is_refused(tmp_path):
     path.write_text("backends: [{name: a, url: 'http://10.0.0.7:8000'}]\n")
     out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 1 and "backends 'a'.url: 10.0.0.7 is an IP address" in out.stderr
-    path.write_text("server: {max_requests_per_worker: 1000}\nbackends: [{name: a, url: 'http://a:8000'}]\n")
-    out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
-    assert out.returncode == 1 and "server.max_requests_per_worker" in out.stderr
     path.write_text("backends: [{name: a, url: 'http://a:8000', models: [m, n]}]\nfallback_chains: {m: [n]}\n")
     out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 1 and "fallback_attempts: moving a failed attempt" in out.stderr, out.stderr
     path.write_text(path.read_text() + "fallback_attempts: 0\n")
     out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 0 and "kind: HTTPRoute" in out.stdout, out.stderr
-    path.write_text("server: {max_requests_per_worker: 1000}\nbackends: [{name: a, url: 'http://a:8000'}]\n")
-    ok = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path), "--backend-url", "a=http://a:8000"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 1  # an override does not lift the rule on the config itself
+
+
+def test_the_pod_recycles_its_one_process_by_exiting(tmp_path):
+    """A pod runs one sidecar on one port: it recycles at the bound by going
+    unready, draining and exiting for the kubelet to start it again."""
+    path = tmp_path / "c.yaml"
+    for server, flag in (("", ["--max-requests-per-worker", str(config_mod.DEFAULT_RETIRE_AFTER)]),
+                         ("server: {max_requests_per_worker: 1000}\n", [])):
+        path.write_text(server + "backends: [{name: a, url: 'http://a:8000'}]\n")
+        out = subprocess.run([sys.executable, "-m", "sidecar", "k8s", "--config", str(path)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        docs = list(yaml.safe_load_all(out.stdout))
+        deployment = next(d for d in docs if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "model-router")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["args"][:5] == ["serve", "--config", "/etc/model-router/config.yaml", "--workers", "1"]
+        # A recycle restarts the container: unless the config sets a bound, a larger one than the supervisor's.
+        args = container["args"]
+        assert args[5] == "--no-supervisor"
+        if flag:
+            assert args[args.index(flag[0]):args.index(flag[0]) + 2] == flag
+        else:
+            assert "--max-requests-per-worker" not in args
 
 
 # ------------------------------------------------------------ Envoy parts

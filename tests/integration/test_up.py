@@ -52,7 +52,10 @@ def template_on_free_ports(tmp_path):
                           capture_output=True, text=True, check=True).stdout
     for port in ("50051", "9190", "8080"):
         assert f"127.0.0.1:{port}" in text
-        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")
+        new = free_port()
+        while port == "50051" and not port_free(f"127.0.0.1:{new + 1}"):  # the standby port too
+            new = free_port()
+        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{new}")
     text = text.replace("envoy:\n", f"envoy:\n  admin_listen: 127.0.0.1:{free_port()}\n", 1)
     path = tmp_path / "ab.yaml"
     path.write_text(text)
@@ -115,7 +118,14 @@ def test_envoy_config_lists_one_endpoint_per_worker(tmp_path):
     sidecar = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "model-router-sidecar")
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
              for e in sidecar["load_assignment"]["endpoints"][0]["lb_endpoints"]]
-    assert ports == [6000, 6001, 6002]
+    # Workers recycle by default: each replacement starts on its slot's standby port.
+    assert ports == [6000, 6001, 6002, 6003, 6004, 6005]
+    cfg.write_text(cfg.read_text().replace("workers: 3}", "workers: 3, max_requests_per_worker: 0}"))
+    out = subprocess.run([sys.executable, "-m", "sidecar", "envoy-config", "--config", str(cfg)],
+                         capture_output=True, text=True, check=True).stdout
+    sidecar = next(c for c in yaml.safe_load(out)["static_resources"]["clusters"] if c["name"] == "model-router-sidecar")
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"]
+            for e in sidecar["load_assignment"]["endpoints"][0]["lb_endpoints"]] == [6000, 6001, 6002]
 
 
 # ------------------------------------------------------------------ supervision
@@ -207,9 +217,9 @@ def _alive(pid: int) -> bool:
 
 def _all_addresses(cfg: dict, workers: int = 1) -> list[str]:
     out = [cfg["envoy"]["listen"], cfg["envoy"]["admin_listen"]]
-    for key in ("grpc_listen", "admin_listen"):
+    for key, ports in (("grpc_listen", 2 * workers), ("admin_listen", workers)):  # gRPC: and the standby ports
         host, _, port = cfg["server"][key].rpartition(":")
-        out += [f"{host}:{int(port) + i}" for i in range(workers)]
+        out += [f"{host}:{int(port) + i}" for i in range(ports)]
     return out
 
 
@@ -221,14 +231,15 @@ def _with(path, cfg_text_edit) -> tuple:
 
 
 def _two_workers(text: str) -> str:
-    """server.workers: 2, on ports (the configured ones and the next) free and unlike the others."""
+    """server.workers: 2, on ports (the configured ones and the next; for gRPC
+    also the two standby ports) free and unlike the others."""
     cfg = yaml.safe_load(text)
     taken = {int(cfg["envoy"][k].rpartition(":")[2]) for k in ("listen", "admin_listen")}
-    for key in ("grpc_listen", "admin_listen"):
+    for key, n in (("grpc_listen", 4), ("admin_listen", 2)):
         port = free_port()
-        while {port, port + 1} & taken or not port_free(f"127.0.0.1:{port + 1}"):
+        while set(range(port, port + n)) & taken or not all(port_free(f"127.0.0.1:{port + i}") for i in range(1, n)):
             port = free_port()
-        taken |= {port, port + 1}
+        taken |= set(range(port, port + n))
         text = text.replace(cfg["server"][key], f"127.0.0.1:{port}")
     return text.replace("server:\n", "server:\n  workers: 2\n", 1)
 
@@ -248,10 +259,11 @@ def _status(method: str, url: str, **kwargs) -> int:
 
 
 def test_up_restarts_a_killed_sidecar_and_fails_closed_meanwhile(tmp_path):
-    """SIGKILL the sidecar under `up`: while it is down, Envoy refuses (503)
+    """SIGKILL the sidecar's worker under `up` (run by the worker supervisor,
+    since workers recycle by default): while it is down, Envoy refuses (503)
     requests for a reserved and an unknown model and for a path without a model
-    (none reaches an engine); `up` announces the restart, keeps running, serves
-    again, and SIGTERM still stops everything with status 0."""
+    (none reaches an engine); the supervisor starts it again, `up` keeps
+    running, serves again, and SIGTERM still stops everything with status 0."""
     path, cfg = _with(template_on_free_ports(tmp_path)[0],
                       lambda t: re.sub(r"(\n  - name: chat-ab\b.*\n)", r"\1    hide_variant_models: true\n", t))
     listen = cfg["envoy"]["listen"]
@@ -264,8 +276,10 @@ def test_up_restarts_a_killed_sidecar_and_fails_closed_meanwhile(tmp_path):
                  for argv in up.children().values() if "demo-engine" in argv]
         assert len(demos) == 2
         files_up = _status("GET", f"http://{listen}/v1/files")  # the sidecar's answer
-        sidecar = up.child("serve")
-        os.kill(sidecar, signal.SIGKILL)
+        supervisor = up.child("serve")
+        (worker,) = _children(supervisor)
+        up.seen.add(worker)
+        os.kill(worker, signal.SIGKILL)
         probes, files, served = [], [], False
         deadline = time.monotonic() + 60
         while not served and time.monotonic() < deadline:
@@ -277,10 +291,10 @@ def test_up_restarts_a_killed_sidecar_and_fails_closed_meanwhile(tmp_path):
         assert files[0] == 503 and set(files) <= {503, files_up}, files
         for url in demos:
             assert not [r for r in httpx.get(url + "/_demo/requests").json() if "x-probe" in r["headers"]]
-        m = up.wait_for(up.err, r"sidecar-0 exited \(signal SIGKILL\); restarting in [\d.]+ s \(log: (\S+)\)")
-        assert m.group(1).endswith("sidecar-0.log") and os.path.exists(m.group(1))
-        assert up.proc.poll() is None
-        assert up.child("serve") not in (None, sidecar)
+        assert up.proc.poll() is None and up.child("serve") == supervisor
+        replacement = set(_children(supervisor))
+        up.seen |= replacement
+        assert replacement and worker not in replacement
     finally:
         code = up.close()
     assert code == 0, "".join(up.err)
@@ -289,33 +303,36 @@ def test_up_restarts_a_killed_sidecar_and_fails_closed_meanwhile(tmp_path):
 
 
 def test_up_gives_up_on_a_sidecar_worker_that_keeps_dying(tmp_path):
-    """Two sidecar workers; SIGKILL worker 1 each time it comes back: `up`
-    restarts it with backoff, then gives up, names it, its exit and its log on
-    stderr, exits non-zero and leaves no process and no port behind."""
+    """Two sidecar workers; SIGKILL worker 1 each time it comes back: the worker
+    supervisor restarts it with backoff, then gives up; `up` names it and its
+    log on stderr, exits non-zero and leaves no process and no port behind."""
     path, cfg = _with(template_on_free_ports(tmp_path)[0], _two_workers)
     host, _, port = cfg["server"]["grpc_listen"].rpartition(":")
     second = f"{host}:{int(port) + 1}"
     up = _Up(path)
     try:
         up.wait_for(up.out, r"Press Ctrl-C to stop")
-        workers = [pid for pid, argv in up.children().items() if "serve" in argv]
-        assert len(workers) == 2 and not [pid for pid in workers if _children(pid)]  # one process each
+        supervisor = up.child("serve")
+        assert len(_children(supervisor)) == 2  # one process per worker, under one supervisor
         killed = set()
         deadline = time.monotonic() + 120
         while up.proc.poll() is None and time.monotonic() < deadline:
-            pid = up.child("serve", second)
-            if pid is not None and pid not in killed:
-                os.kill(pid, signal.SIGKILL)
-                killed.add(pid)
+            worker = next((pid for pid, argv in _children(supervisor).items() if second in argv), None)
+            if worker is not None and worker not in killed:
+                up.seen.add(worker)
+                os.kill(worker, signal.SIGKILL)
+                killed.add(worker)
             time.sleep(0.05)
         assert up.proc.poll() is not None, f"up still running after {len(killed)} kills"
     finally:
         code = up.close()
     err = "".join(up.err)
     assert code != 0, err
-    assert len(killed) > 1 and err.count("sidecar-1 exited (signal SIGKILL); restarting in") == len(killed) - 1, err
-    m = re.search(r"error: sidecar-1 exited \(signal SIGKILL\) \d+ times within [\d.]+ s; giving up \(log: (\S+)\)", err)
-    assert m and m.group(1).endswith("sidecar-1.log") and os.path.exists(m.group(1)), err
+    assert len(killed) > 1, err
+    m = re.search(r"error: sidecar-supervisor exited \(code 1\): it gave up; see its log \((\S+)\)", err)
+    assert m and m.group(1).endswith("sidecar-supervisor.log") and os.path.exists(m.group(1)), err
+    log = open(m.group(1)).read()
+    assert "worker 1 exited" in log and "giving up" in log, log
     assert all(_closed(a) for a in _all_addresses(cfg, workers=2))
     assert not [pid for pid in up.seen if _alive(pid)]
 

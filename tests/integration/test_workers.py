@@ -173,6 +173,37 @@ def test_recycling_under_load_fails_no_request(tmp_path):
         stack.close()
 
 
+def test_without_a_supervisor_a_due_process_leaves_drains_and_exits_0(tmp_path):
+    """``serve --no-supervisor`` (how a pod runs it): every request up to its
+    bound is answered, then the process goes unready, drains and exits 0;
+    started again (here by the stack, in a pod by the kubelet) it serves."""
+    stack = Stack(write_config(tmp_path, BASE.format(workers=1, recycle=40, in_flight=256)), workdir=tmp_path).start()
+    try:
+        assert "--no-supervisor" in stack._procs["sidecar-0"].argv
+        first = stack._procs["sidecar-0"].popen
+        ready = f"http://{stack.sidecar_admin[0]}/readyz"
+        outcomes: Counter[str] = Counter()
+        with httpx.Client(base_url=stack.url, timeout=30) as http:
+            while httpx.get(ready, timeout=5).status_code == 200:
+                n = sum(outcomes.values()) + 1
+                assert n <= 60, f"still ready after {n - 1} requests; bound 40 within 10 %"
+                outcomes[Load._one(http, f"caller-{n}", stream=n % 3 == 0)] += 1
+        assert set(outcomes) == {"ok"} and sum(outcomes.values()) >= 36, outcomes
+        assert first.wait(timeout=60) == 0
+        said: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("and ready" in line for line in said) and time.monotonic() < deadline:
+            stack.poll(said.append)
+            time.sleep(0.2)
+        assert any("sidecar-0 exited (code 0)" in line for line in said), said
+        assert stack._procs["sidecar-0"].popen.pid != first.pid and any("and ready" in line for line in said), said
+        stack.wait_envoy_sees_sidecars(stack.sidecar_grpc, time.monotonic() + 30)
+        with httpx.Client(base_url=stack.url, timeout=30) as http:
+            assert Load._one(http, "caller-after", stream=True) == "ok"
+    finally:
+        stack.close()
+
+
 def _held_stream(addr: str) -> socket.socket:
     """A streamed answer whose events come 30 s apart: its response stream (the
     model is rewritten) stays open on the sidecar. Envoy buffers request bodies
