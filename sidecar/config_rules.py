@@ -22,6 +22,7 @@ def check(config: Config) -> tuple[list[str], list[str]]:
     exp_models = _check_experiment_names(config, errors)
     for i, e in enumerate(config.model_experiments):
         _check_variants(i, e, backends, exp_models, errors, warnings)
+        _check_shadows(i, e, backends, exp_models, errors)
     reserved = _check_reserved(config, warnings)
     _check_chains(config, reserved, errors, warnings)
     _check_cache(config, errors)
@@ -161,9 +162,41 @@ def _check_variants(
         warnings.append(f"{p}.sticky_ttl: has no effect with sticky_key: none")
 
 
+def _check_shadows(
+    i: int, e: Experiment, backends: dict[str, Backend], exp_models: dict[str, int], errors: list[str],
+) -> None:
+    """A shadow arm: one per experiment (Envoy sends one copy per request), an
+    id of its own, and exactly one backend its copies can go to."""
+    p = f"model_experiments[{i}].variants"
+    if len(e.shadows) > 1:
+        errors.append(f"{p}: at most one shadow arm per experiment ('{e.shadows[1].id}' is a second)")
+    live = {v.id for v in e.variants}
+    for v in e.shadows:
+        vp = f"{p}[id={v.id}]"  # the shadow arm, by id: its list position is the live arms' list
+        if v.id in live:
+            errors.append(f"{vp}.id: duplicate variant id '{v.id}'")
+        if v.model in exp_models:
+            errors.append(f"{vp}.model: '{v.model}' is the client model of another experiment; experiments cannot chain")
+        if v.backends is not None:
+            if len(v.backends) != 1:
+                errors.append(f"{vp}.backends: a shadow arm's copies go to one backend; pin exactly one")
+                continue
+            b = backends.get(v.backends[0])
+            if b is None:
+                errors.append(f"{vp}.backends[0]: unknown backend '{v.backends[0]}'")
+            elif b.internal:
+                errors.append(f"{vp}.backends[0]: backend '{b.name}' is internal and cannot be pinned")
+            elif b.models is not None and v.model not in b.models:
+                errors.append(f"{vp}.model: the pinned backend '{b.name}' does not list '{v.model}'")
+        elif not any(b.enabled and not b.internal and b.models is not None and v.model in b.models
+                     for b in backends.values()):
+            errors.append(f"{vp}.backends: no backend lists '{v.model}'; pin the backend its copies go to")
+
+
 def _check_reserved(config: Config, warnings: list[str]) -> dict[str, str]:
     """Reserved (hidden) variant models, and the warnings where they stay reachable."""
-    reserved = {v.model: e.name for e in config.model_experiments if e.hide_variant_models for v in e.variants}
+    reserved = {v.model: e.name for e in config.model_experiments if e.hide_variant_models
+                for v in (*e.variants, *e.shadows)}
     for alias, target in config.model_aliases.items():
         if target in reserved:
             warnings.append(
