@@ -52,6 +52,9 @@ from .response_stream import (
 from .rewrite import rewrite_json_body
 from .routing.limits import refusal as budget_refusal
 from .routing.trace import Trace
+from .shadow import SHADOW_HEADER
+from .shadow import draw as shadow_draw
+from .shadow_stream import ShadowStream, is_shadow
 from .snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
 from .spans import upstream_traceparent
 
@@ -216,6 +219,7 @@ class Processor(pbg.ExternalProcessorServicer):
         silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
         messages = request_iterator.__aiter__()
         hop: HopStream | None = None
+        shadow: ShadowStream | None = None
         self.in_flight += 1
         try:
             while True:
@@ -233,6 +237,15 @@ class Processor(pbg.ExternalProcessorServicer):
                         hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
                         yield hop.headers()
                         continue
+                    if is_shadow(req):  # a shadow copy on its arm's cluster
+                        shadow = self._shadow(req)
+                        # Counted when the call ends, however it ends: a copy whose
+                        # backend never answers ends with Envoy's reset, not a message.
+                        context.add_done_callback(lambda _call, s=shadow: s.finish())
+                        yield shadow.headers()
+                        if shadow.done:
+                            return
+                        continue
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
                         yield self._shed(st, req.request_headers)
                         return
@@ -245,6 +258,9 @@ class Processor(pbg.ExternalProcessorServicer):
                     if hop is not None:
                         yield hop.body(req.request_body)
                         return
+                    if shadow is not None:
+                        yield shadow.body(req.request_body)
+                        continue
                     if not await self.json_budget.within(req.request_body.body):
                         yield self._refuse(self._too_complex(st), st)
                         return
@@ -262,6 +278,14 @@ class Processor(pbg.ExternalProcessorServicer):
                         resp = await self._from_cache(st) or resp
                     yield await self._shared_budgets(st, resp)
                     return
+                elif kind == "response_headers" and shadow is not None:
+                    yield shadow.response_headers(req.response_headers)
+                    if shadow.done:
+                        return
+                elif kind == "response_body" and shadow is not None:
+                    yield shadow.response_body(req.response_body)
+                    if shadow.done:
+                        return
                 elif kind == "response_headers":
                     # A response stream (the upstream filter), opened only for rewrites.
                     plan = rewrite_of(req.metadata_context)
@@ -308,6 +332,10 @@ class Processor(pbg.ExternalProcessorServicer):
             raise
         finally:
             self.in_flight -= 1
+
+    def _shadow(self, req: pb.ProcessingRequest) -> ShadowStream:
+        sink = self.runtime.usage_sink()
+        return ShadowStream(self.runtime.snapshot, req, sink.write if sink is not None else None)
 
     # ------------------------------------------------------------------ request
 
@@ -535,6 +563,12 @@ class Processor(pbg.ExternalProcessorServicer):
             shared += (("accept-encoding", "identity"),)
         if plan is not None and plan.needs_response:
             shared += ((RESPONSE_HEADER, "rewrite"),)  # selects the route whose upstream filter rewrites
+        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
+            info = st.snap.experiments.get(route.client_model)
+            copy_to = shadow_draw(info.config if info is not None else None, self._rand.random())
+            if copy_to is not None and info is not None:
+                shared += ((SHADOW_HEADER, copy_to),)  # the routes' mirror policy copies the request there
+                metrics.SHADOW_COPIES.labels(info.config.name, info.config.shadows[0].id).inc()
         own = []
         if route.path is not None:
             own.append((":path", route.path))
