@@ -6,7 +6,7 @@ runs it after the models have validated each field.
 
 from __future__ import annotations
 
-from .config import NAME_RE, Backend, Config, Experiment
+from .config import NAME_RE, Backend, Config, Experiment, ShadowArm
 
 
 def check(config: Config) -> tuple[list[str], list[str]]:
@@ -191,6 +191,31 @@ def _check_shadows(
         elif not any(b.enabled and not b.internal and b.models is not None and v.model in b.models
                      for b in backends.values()):
             errors.append(f"{vp}.backends: no backend lists '{v.model}'; pin the backend its copies go to")
+        _check_shadow_path(vp, e, v, backends, errors)
+
+
+def _check_shadow_path(
+    vp: str, e: Experiment, arm: ShadowArm, backends: dict[str, Backend], errors: list[str],
+) -> None:
+    """A copy keeps the live request's path, base path included: the shadow's
+    backend must sit under the same base path as the live arms' backends."""
+    from .snapshot import _split
+
+    def base(b: Backend) -> str:
+        return "" if b.url == "demo://" else _split(b.url)[3]
+
+    pin = arm.backends[0] if arm.backends else None
+    target = backends.get(pin) if pin else next(
+        (b for b in backends.values() if b.enabled and not b.internal and b.models is not None and arm.model in b.models),
+        None)
+    if target is None:
+        return
+    live = {b.name: base(b) for v in e.variants for b in backends.values()
+            if (b.name in v.backends if v.backends else b.models is not None and v.model in b.models)}
+    other = sorted(name for name, path in live.items() if path != base(target))
+    if other:
+        errors.append(f"{vp}.backends: backend '{target.name}' has the base path '{base(target)}' but the live "
+                      f"arms' backend '{other[0]}' has '{live[other[0]]}'; a copy keeps the live request's path")
 
 
 def _check_reserved(config: Config, warnings: list[str]) -> dict[str, str]:

@@ -91,3 +91,10 @@ def test_the_draw_copies_below_the_share_only():
     assert shadow.draw(e, 0.25) is None
     plain = parse(config_with(), env={}).config.model_experiments[0]
     assert shadow.draw(plain, 0.0) is None and shadow.draw(None, 0.0) is None
+
+
+def test_a_shadow_backend_under_another_base_path_is_refused():
+    text = BACKENDS.replace('url: "http://127.0.0.1:9001"', 'url: "http://127.0.0.1:9001/openai"')
+    errs = errors_of(text + "model_experiments: [{name: e, model: chat, variants: [{id: control, model: m1, weight: 1}, "
+                     "{id: cand, model: m2, backends: [b], shadow: {share: 0.1}}]}]\n")
+    assert any("backend 'b' has the base path '/openai' but the live arms' backend 'a' has ''" in e for e in errs), errs
