@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.stack import free_port
 
-from .conftest import clear_demo_requests, demo_requests, envoy_stat, metric
+from .conftest import clear_demo_requests, demo_requests, envoy_stat, metered, metric
 
 CHAT = "/v1/chat/completions"
 SHARE = 0.3
@@ -70,6 +70,7 @@ backends:
   - {{name: silent, url: "http://{silent}", models: [m-silent]}}
 metering: {{flush_interval_ms: 50}}
 cache: {{models: [chat-cached]}}
+limits: [{{model: chat-budget, tokens: 1000000}}]
 model_experiments:
   - name: share
     model: chat
@@ -84,6 +85,9 @@ model_experiments:
   - name: slow
     model: chat-slow
     variants: [{{id: control, model: m-live, weight: 1}}{arm("{id: stuck, model: m-silent, shadow: {share: 1, max_in_flight: 2}}")}]
+  - name: budget
+    model: chat-budget
+    variants: [{{id: control, model: m-live, weight: 1}}{arm("{id: cand, model: m-cand, shadow: {share: 1}}")}]
   - name: cached
     model: chat-cached
     variants: [{{id: control, model: m-live, weight: 1}}{arm("{id: cand, model: m-cand, shadow: {share: 1}}")}]
@@ -224,7 +228,7 @@ def test_a_silent_shadow_backend_holds_at_most_its_cap_and_callers_go_on(stacks,
     copies = metric(shadowed, "model_experiment_shadow_copies_total", experiment="slow")
     assert copies >= 8
     deadline = time.monotonic() + 30
-    while copies - envoy_stat(shadowed, overflow, exact=True) > 4 and time.monotonic() < deadline:
+    while (copies - envoy_stat(shadowed, overflow, exact=True) > 4 or not silent.posts) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert copies - envoy_stat(shadowed, overflow, exact=True) == 4  # held: 2 sent, 2 waiting
     assert 1 <= silent.posts <= 2  # copies on the candidate's connections
@@ -238,3 +242,15 @@ def test_the_shadow_answer_never_reaches_the_cache(stacks):
     assert again.headers.get("x-model-router-cache") == "hit"
     assert again.json()["model"] == first.json()["model"] == "m-live"
     assert again.json()["choices"] == first.json()["choices"]
+
+
+def test_the_shadow_is_never_charged_to_the_callers_budget(stacks):
+    shadowed, _, _ = stacks
+    first = ask(shadowed, "chat-budget", "spend some tokens please")
+    assert first.status_code == 200
+    settled(shadowed, "shadow~budget")
+    metered(shadowed)
+    assert metric(shadowed, "model_experiment_shadow_tokens_total", experiment="budget", kind="completion") > 0
+    second = ask(shadowed, "chat-budget", "again")
+    spent = int(second.headers["x-ratelimit-limit-tokens"]) - int(second.headers["x-ratelimit-remaining-tokens"])
+    assert spent == first.json()["usage"]["total_tokens"]  # the caller's own tokens, not its copy's too
