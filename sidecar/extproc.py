@@ -260,6 +260,8 @@ class Processor(pbg.ExternalProcessorServicer):
                         return
                     if shadow is not None:
                         yield shadow.body(req.request_body)
+                        if shadow.done:
+                            return
                         continue
                     if not await self.json_budget.within(req.request_body.body):
                         yield self._refuse(self._too_complex(st), st)
@@ -527,7 +529,8 @@ class Processor(pbg.ExternalProcessorServicer):
     def _remember(self, st: _Stream, route: routing.Route) -> None:
         """The arm that serves this request, for feedback on it (in memory: no I/O here)."""
         plan = route.plan
-        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
+        if plan is not None and plan.kind == "routed" and plan.experiment is not None and (
+                st.ingress is not None and st.ingress.body == "json"):  # a copy's model is a JSON member
             self.feedback.record(st.snap.config, st.headers.get("x-request-id"), self._owner(st),
                                  plan.experiment, plan.variant)
 

@@ -23,6 +23,7 @@ import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
 
 from . import metrics
 from .config import Config
@@ -88,6 +89,7 @@ class ShadowStream:
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_NOTHING_MORE)
         sets, removes = upstream_auth(self.snap, self.snap.backends[target.backend])
         m = pb.HeaderMutation(remove_headers=[SHADOW_HEADER, BACKEND_HEADER, *removes])
+        sets = (("accept-encoding", "identity"), *sets)  # the answer is read for its usage
         for k, v in sets:
             m.set_headers.add(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=m)))
@@ -100,7 +102,11 @@ class ShadowStream:
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
-            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+            # Never send the live model to the candidate: the copy ends here, uncounted
+            # (it shows as a copy that never reached the arm).
+            self.done = True
+            return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+                status=http_status_pb2.HttpStatus(code=400), details="model_router_shadow_not_json"))
         data["model"] = self.target.arm.model
         body = orjson.dumps(data)
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
