@@ -132,7 +132,9 @@ async def closed_loop(listen: str, connections: int, seconds: float) -> dict:
     count = len(run.latencies)
     for transport, _ in conns:
         transport.close()
-    return {"rps": count / elapsed, "p50_ms": statistics.median(run.latencies) * 1000 if count else 0.0,
+    lat = sorted(run.latencies)
+    return {"rps": count / elapsed, "p50_ms": statistics.median(lat) * 1000 if count else 0.0,
+            "p99_ms": lat[min(count - 1, int(0.99 * count))] * 1000 if count else 0.0,
             "errors": run.errors, "count": count, "total": run.total}
 
 

@@ -55,6 +55,42 @@ EXPERIMENT_ESTIMATED_TOKENS = Counter(
     ["experiment", "variant", "kind"],
     registry=REGISTRY,
 )
+# Shadow arms have names of their own: a shadow copy is not a request any
+# caller made, so sums over the live arms' series (traffic, SRM, error rates)
+# stay what they were (docs/experiments.md).
+SHADOW_COPIES = Counter(
+    "model_experiment_shadow_copies_total",
+    "Requests the router asked Envoy to copy to a shadow arm (at the decision).",
+    ["experiment", "variant"],
+    registry=REGISTRY,
+)
+SHADOW_REQUESTS = Counter(
+    "model_experiment_shadow_requests_total",
+    "Shadow copies that reached the shadow arm's upstream filter, by status class; a copy Envoy could not "
+    "connect for, or dropped at max_in_flight, is in model_experiment_shadow_copies_total only.",
+    ["experiment", "variant", "status"],
+    registry=REGISTRY,
+)
+SHADOW_DURATION = Histogram(
+    "model_experiment_shadow_request_duration_seconds",
+    "Time from the shadow copy leaving Envoy to its response headers, per shadow arm.",
+    ["experiment", "variant"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    registry=REGISTRY,
+)
+SHADOW_TTFT = Histogram(
+    "model_experiment_shadow_time_to_first_token_seconds",
+    "Time from the shadow copy leaving Envoy to the first body bytes of its event stream, per shadow arm.",
+    ["experiment", "variant"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    registry=REGISTRY,
+)
+SHADOW_TOKENS = Counter(
+    "model_experiment_shadow_tokens_total",
+    "Tokens reported in shadow arms' responses.",
+    ["experiment", "variant", "kind"],
+    registry=REGISTRY,
+)
 RESERVED_REFUSALS = Counter(
     "model_experiment_reserved_refusals_total",
     "Direct requests for a reserved variant model that were refused.",
@@ -246,6 +282,14 @@ def prime(config: Config) -> None:
             VARIANT_WEIGHT.labels(e.name, v.id, "control" if j == 0 else "treatment").set(v.race_weight)
         if e.hide_variant_models:
             RESERVED_REFUSALS.labels(e.name)
+        for arm in e.shadows:
+            SHADOW_COPIES.labels(e.name, arm.id)
+            SHADOW_DURATION.labels(e.name, arm.id)
+            SHADOW_TTFT.labels(e.name, arm.id)
+            for kind in ("prompt", "completion"):
+                SHADOW_TOKENS.labels(e.name, arm.id, kind)
+            for status in STATUSES:
+                SHADOW_REQUESTS.labels(e.name, arm.id, status)
         for v in e.variants:
             EXPERIMENT_DURATION.labels(e.name, v.id)
             for kind in ("prompt", "completion"):

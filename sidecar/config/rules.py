@@ -6,7 +6,7 @@ runs it after the models have validated each field.
 
 from __future__ import annotations
 
-from .schema import NAME_RE, Backend, Config, Experiment
+from .schema import NAME_RE, Backend, Config, Experiment, ShadowArm
 
 
 def check(config: Config) -> tuple[list[str], list[str]]:
@@ -22,6 +22,7 @@ def check(config: Config) -> tuple[list[str], list[str]]:
     exp_models = _check_experiment_names(config, errors)
     for i, e in enumerate(config.model_experiments):
         _check_variants(i, e, backends, exp_models, errors, warnings)
+        _check_shadows(i, e, backends, exp_models, errors)
     reserved = _check_reserved(config, warnings)
     _check_chains(config, reserved, errors, warnings)
     _check_cache(config, errors)
@@ -161,9 +162,66 @@ def _check_variants(
         warnings.append(f"{p}.sticky_ttl: has no effect with sticky_key: none")
 
 
+def _check_shadows(
+    i: int, e: Experiment, backends: dict[str, Backend], exp_models: dict[str, int], errors: list[str],
+) -> None:
+    """A shadow arm: one per experiment (Envoy sends one copy per request), an
+    id of its own, and exactly one backend its copies can go to."""
+    p = f"model_experiments[{i}].variants"
+    if len(e.shadows) > 1:
+        errors.append(f"{p}: at most one shadow arm per experiment ('{e.shadows[1].id}' is a second)")
+    live = {v.id for v in e.variants}
+    for v in e.shadows:
+        vp = f"{p}[id={v.id}]"  # the shadow arm, by id: its list position is the live arms' list
+        if v.id in live:
+            errors.append(f"{vp}.id: duplicate variant id '{v.id}'")
+        if v.model in exp_models:
+            errors.append(f"{vp}.model: '{v.model}' is the client model of another experiment; experiments cannot chain")
+        if v.backends is not None:
+            if len(v.backends) != 1:
+                errors.append(f"{vp}.backends: a shadow arm's copies go to one backend; pin exactly one")
+                continue
+            b = backends.get(v.backends[0])
+            if b is None:
+                errors.append(f"{vp}.backends[0]: unknown backend '{v.backends[0]}'")
+            elif b.internal:
+                errors.append(f"{vp}.backends[0]: backend '{b.name}' is internal and cannot be pinned")
+            elif b.models is not None and v.model not in b.models:
+                errors.append(f"{vp}.model: the pinned backend '{b.name}' does not list '{v.model}'")
+        elif not any(b.enabled and not b.internal and b.models is not None and v.model in b.models
+                     for b in backends.values()):
+            errors.append(f"{vp}.backends: no backend lists '{v.model}'; pin the backend its copies go to")
+        _check_shadow_path(vp, e, v, backends, errors)
+
+
+def _check_shadow_path(
+    vp: str, e: Experiment, arm: ShadowArm, backends: dict[str, Backend], errors: list[str],
+) -> None:
+    """A copy keeps the live request's path, base path included: the shadow's
+    backend must sit under the same base path as the live arms' backends."""
+    from .snapshot import _split
+
+    def base(b: Backend) -> str:
+        return "" if b.url == "demo://" else _split(b.url)[3]
+
+    pin = arm.backends[0] if arm.backends else None
+    target = backends.get(pin) if pin else next(
+        (b for b in backends.values() if b.enabled and not b.internal and b.models is not None and arm.model in b.models),
+        None)
+    if target is None:
+        return
+    live = {b.name: base(b) for v in e.variants for b in backends.values()
+            if (b.name in v.backends if v.backends else b.models is not None and v.model in b.models)}
+    other = sorted(name for name, path in live.items() if path != base(target))
+    if other:
+        errors.append(f"{vp}.backends: backend '{target.name}' has the base path '{base(target)}' but the live "
+                      f"arms' backend '{other[0]}' has '{live[other[0]]}'; a copy keeps the live request's path")
+
+
 def _check_reserved(config: Config, warnings: list[str]) -> dict[str, str]:
     """Reserved (hidden) variant models, and the warnings where they stay reachable."""
-    reserved = {v.model: e.name for e in config.model_experiments if e.hide_variant_models for v in e.variants}
+    reserved = {v.model: e.name for e in config.model_experiments if e.hide_variant_models
+                for v in e.arms()}
     for alias, target in config.model_aliases.items():
         if target in reserved:
             warnings.append(

@@ -332,6 +332,44 @@ class Variant(_Model):
         return 0 if self.paused else self.weight
 
 
+class Shadow(_Model):
+    """How much of the experiment's traffic a shadow arm sees, and how much of
+    it may be in flight at once (past it, Envoy drops the copy)."""
+
+    share: Annotated[float, Field(gt=0, le=1)]
+    max_in_flight: Annotated[int, Field(ge=1, le=100_000)] = 16
+
+
+class ShadowArm(_Model):
+    """A variant written with ``shadow:``: no weight, never serves a caller;
+    a copy of a share of the experiment's requests goes to its model."""
+
+    id: Name
+    model: ModelName
+    backends: list[Name] | None = None
+    shadow: Shadow
+
+
+def _split_shadows(data: Any) -> Any:
+    """The variants written with ``shadow:`` become the experiment's shadow
+    arms; the live arms stay in ``variants`` (what assignment races)."""
+    if not isinstance(data, dict):
+        return data
+    if "shadows" in data:
+        raise ValueError("unknown field 'shadows': a shadow arm is a variant with 'shadow: {share: ...}'")
+    variants = data.get("variants")
+    if not isinstance(variants, list):
+        return data
+    shadows = [v for v in variants if isinstance(v, dict) and "shadow" in v]
+    if not shadows:
+        return data
+    for v in shadows:
+        if "weight" in v:
+            raise ValueError(f"variant '{v.get('id')}': a shadow arm has no weight (it never serves a caller)")
+    live = [v for v in variants if not (isinstance(v, dict) and "shadow" in v)]
+    return {**data, "variants": live, "shadows": shadows}
+
+
 class Experiment(_Model):
     name: Name
     model: ModelName
@@ -342,6 +380,17 @@ class Experiment(_Model):
     response_headers: bool = False
     hide_variant_models: bool = False
     variants: Annotated[list[Variant], Field(max_length=MAX_VARIANTS)]
+    # Filled from the variants written with ``shadow:`` (never a key of its own).
+    shadows: list[ShadowArm] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shadow_arms(cls, data: Any) -> Any:
+        return _split_shadows(data)
+
+    def arms(self) -> list[Variant | ShadowArm]:
+        """Every arm with a model: the live ones, then the shadows."""
+        return [*self.variants, *self.shadows]
 
     @field_validator("sticky_key")
     @classmethod
@@ -656,6 +705,19 @@ def _path(loc: tuple[int | str, ...], key_error: bool = False) -> str:
     return out or "(root)"
 
 
+def _as_written(raw: Any, loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """A location inside an experiment's shadow arms, as the variant the
+    operator wrote (``variants[j]``, not ``shadows[k]``)."""
+    if len(loc) < 4 or loc[0] != "model_experiments" or loc[2] != "shadows" or not isinstance(loc[3], int):
+        return loc
+    try:
+        variants = raw["model_experiments"][loc[1]]["variants"]
+        j = [i for i, v in enumerate(variants) if isinstance(v, dict) and "shadow" in v][loc[3]]
+    except (KeyError, IndexError, TypeError):
+        return loc
+    return (*loc[:2], "variants", j, *loc[4:])
+
+
 def _is_key_error(err: Mapping[str, Any]) -> bool:
     # A key error's input is the key itself, which stands just before the marker.
     loc = err["loc"]
@@ -673,6 +735,8 @@ def _message(err: Mapping[str, Any]) -> str:
         return f"must be <= {ctx.get('le')}"
     if kind == "greater_than_equal":
         return f"must be >= {ctx.get('ge')}"
+    if kind == "greater_than":
+        return f"must be > {ctx.get('gt')}"
     if kind == "too_long":
         return f"at most {ctx.get('max_length')} entries"
     if kind == "too_short":
@@ -748,7 +812,7 @@ def parse(text: str, env: dict[str, str] | None = None) -> Loaded:
             raise ConfigError(errors)
         config = Config.model_validate(raw)
     except ValidationError as exc:
-        errors = [f"{_path(e['loc'], _is_key_error(e))}: {_message(e)}" for e in exc.errors()]
+        errors = [f"{_path(_as_written(raw, e['loc']), _is_key_error(e))}: {_message(e)}" for e in exc.errors()]
         raise ConfigError([redact_error(e, seen) for e in errors]) from None
     except RecursionError:
         raise ConfigError(["(root): nested too deeply"]) from None

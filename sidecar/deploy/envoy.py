@@ -27,6 +27,7 @@ from ..config import address
 from ..config.schema import RESERVED_BACKEND_NAME, Config, Server
 from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S, REPLY_NAMESPACE, RESPONSE_HEADER, USAGE_NAMESPACE
 from ..routing import snapshot
+from ..routing.shadow import SHADOW_HEADER
 from ..routing.snapshot import (
     ATTRIBUTION_HEADERS,
     BACKEND_HEADER,
@@ -37,7 +38,7 @@ from ..routing.snapshot import (
     _split,
 )
 from ..serve import grpc_auth, workers
-from . import envoy_fallback, envoy_limits, envoy_replies
+from . import envoy_fallback, envoy_limits, envoy_replies, envoy_shadow
 
 _T = "type.googleapis.com/"
 
@@ -232,14 +233,15 @@ def _url(config: Config, backend: str) -> str:
     return next(b.url for b in config.backends if b.name == backend)
 
 
+def _codec() -> dict:
+    return {
+        "name": "envoy.filters.http.upstream_codec",
+        "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
+    }
+
+
 def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> list[dict]:
-    return [
-        _response_ext_proc(message_timeout_ms, buffer_limit, fail_open),
-        {
-            "name": "envoy.filters.http.upstream_codec",
-            "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
-        },
-    ]
+    return [_response_ext_proc(message_timeout_ms, buffer_limit, fail_open), _codec()]
 
 
 def _ext_proc(
@@ -556,7 +558,8 @@ def bootstrap(
         "route_config": {
             "name": "model_router",
             "request_headers_to_remove": [
-                BACKEND_HEADER, RESPONSE_HEADER, *CLIENT_ROUTER_HEADERS, *envoy_limits.INTERNAL_REQUEST_HEADERS,
+                BACKEND_HEADER, RESPONSE_HEADER, SHADOW_HEADER, *CLIENT_ROUTER_HEADERS,
+                *envoy_limits.INTERNAL_REQUEST_HEADERS,
             ],
             # An upstream cannot forge the router's attribution; the router's own
             # comes from the decision's metadata (applied after the removal).
@@ -568,10 +571,10 @@ def bootstrap(
                     "domains": ["*"],
                     # The fallback filter reads which attempt it sees.
                     **({"include_request_attempt_count": True} if config.fallback_chains and config.fallback_attempts else {}),
-                    "routes": _with_fallback(config, _routes(
+                    "routes": envoy_shadow.routes(config, _with_fallback(config, _routes(
                         timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config),
                         backend_routes(config) if config.envoy.routing == "header_match" else None,
-                    )),
+                    ))),
                 }
             ],
         },
@@ -615,6 +618,13 @@ def bootstrap(
         snapshot.build(config, urls), config.fallback_attempts,
         lambda name, backend: _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit),
         _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
+    )
+
+    clusters += envoy_shadow.clusters(
+        config,
+        lambda name, backend: _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit),
+        envoy_shadow.filter_config(_response_ext_proc(server.message_timeout_ms, buffer_limit, False)),
+        _codec(),
     )
 
     auth = server.grpc_auth

@@ -239,6 +239,11 @@ def refuse_unenforced(config: Config) -> None:
             raise K8sError(f"model_experiments '{e.name}'.response_model: client needs the response processor "
                            "only the product's own Envoy bootstrap has; a gateway would answer with the "
                            "upstream model. Use response_model: upstream")
+        if e.shadows:
+            raise K8sError(f"model_experiments '{e.name}'.variants: the shadow arm '{e.shadows[0].id}' needs the "
+                           "shadow cluster and its upstream filter (which puts the arm's model in the copy) that "
+                           "only the product's own Envoy bootstrap has; a gateway's RequestMirror would send the "
+                           "live model. Remove the shadow arm for a gateway deployment")
 
 
 def backend_tls_policies(opts: Options, refs: dict[str, BackendRef]) -> list[dict]:

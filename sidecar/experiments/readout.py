@@ -110,13 +110,23 @@ def build(config: Config, experiment: Experiment, arms: Mapping[str, ArmData], s
     gate = srm_gate(srm_p_value)
     control_id = experiment.variants[0].id
     control = arms.get(control_id, ArmData())
-    views, comparisons = [], []
+    views: list[dict[str, Any]] = []
+    comparisons: list[dict[str, Any]] = []
     for j, v in enumerate(experiment.variants):
         arm = arms.get(v.id, ArmData())
         views.append(_arm_view(v.id, "control" if j == 0 else "treatment", arm, specs))
         if j:
             comparisons.append({"variant": v.id, "against": control_id, "metrics": {
                 name: _compare(control, arm, name, optimize, gate["trusted"], alpha) for name, optimize, _ in specs}})
+    for s in experiment.shadows:
+        if s.id not in arms:
+            continue  # a source without the shadow's figures (the metrics source)
+        arm = arms[s.id]
+        views.append(_arm_view(s.id, "shadow", arm, specs))
+        # A shadow sees copies of a share of every arm's requests: its comparison is
+        # with the control arm, outside the sample-ratio gate (nobody is assigned to it).
+        comparisons.append({"variant": s.id, "against": control_id, "shadow": True, "metrics": {
+            name: _compare(control, arm, name, optimize, True, alpha) for name, optimize, _ in specs}})
     return {"experiment": experiment.name, "control": control_id, "source": source, "alpha": alpha,
             "interval": "always-valid (mixture SPRT confidence sequence): safe to look at any time",
             "srm": gate, "metrics": {name: {"optimize": o, "observation": what} for name, o, what in specs},
@@ -137,12 +147,14 @@ def render(report: Mapping[str, Any]) -> str:
     lines.append(f"{'arm':<16} {'requests':>9} {'callers':>8} {'p50 ms':>9} {'p95 ms':>9}")
     for a in report["arms"]:
         callers = "-" if a["callers"] is None else str(a["callers"])
-        lines.append(f"{a['variant']:<16} {a['requests']:>9} {callers:>8} {_fmt(a['latency_p50_ms']):>9} "
+        name = a["variant"] + (" (shadow)" if a["role"] == "shadow" else "")
+        lines.append(f"{name:<16} {a['requests']:>9} {callers:>8} {_fmt(a['latency_p50_ms']):>9} "
                      f"{_fmt(a['latency_p95_ms']):>9}")
     means = {a["variant"]: a["metrics"] for a in report["arms"]}
     for comp in report["comparisons"]:
         lines.append("")
-        lines.append(f"{comp['variant']} vs {comp['against']} ({1 - report['alpha']:.0%} always-valid intervals)")
+        what = "shadow copies of a share of all arms' requests, " if comp.get("shadow") else ""
+        lines.append(f"{comp['variant']} vs {comp['against']} ({what}{1 - report['alpha']:.0%} always-valid intervals)")
         lines.append(f"  {'metric':<26} {'control':>10} {'arm':>10} {'difference':>11} {'interval':>24}  verdict")
         for name, c in comp["metrics"].items():
             low, high = c["low"], c["high"]

@@ -114,8 +114,10 @@ def _at(rec: Mapping[str, Any]) -> float | None:
 
 def aggregate(records: Iterable[Mapping[str, Any]], config: Config, experiment: Experiment,
               since: float | None = None) -> tuple[dict[str, ArmData], float | None]:
-    """Per-arm figures and the sample-ratio p-value of one experiment's records (those from ``since`` on)."""
+    """Per-arm figures and the sample-ratio p-value of one experiment's records (those from ``since`` on).
+    A shadow arm's figures come from its copies' records (``shadow: true``), under its id."""
     arms = {v.id: _Arm() for v in experiment.variants}
+    shadows = {v.id: _Arm() for v in experiment.shadows}
     # (request id, name) -> (revision, arm, value): the highest revision wins (records of
     # one request can reach the file out of order: Envoy flushes per worker thread).
     feedback: dict[tuple[str, str], tuple[int, str, float]] = {}
@@ -123,6 +125,11 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config, experiment: 
     prices = _Prices(config)
     for rec in records:
         variant = rec.get("experiment_variant_id")
+        if rec.get("shadow") is True:
+            if rec.get("experiment_id") == experiment.name and variant in shadows and (
+                    since is None or ((at := _at(rec)) is not None and at >= since)):
+                _request(shadows[str(variant)], {**rec, "kind": "routed"}, prices)  # a copy: served, never cached
+            continue
         if rec.get("experiment_id") != experiment.name or not isinstance(variant, str) or variant not in arms:
             continue
         if since is not None and ((at := _at(rec)) is None or at < since):
@@ -141,7 +148,7 @@ def aggregate(records: Iterable[Mapping[str, Any]], config: Config, experiment: 
     for (_, name), (_, variant, x) in feedback.items():
         arms[variant].observe(feedback_key(name), x)
     out = {}
-    for vid, a in arms.items():
+    for vid, a in (arms | shadows).items():
         a.latencies.sort()
         out[vid] = ArmData(requests=a.requests, callers=len(a.callers), latency_p50_ms=_percentile(a.latencies, 0.5),
                            latency_p95_ms=_percentile(a.latencies, 0.95), metrics=a.metrics)

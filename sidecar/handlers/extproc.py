@@ -40,6 +40,8 @@ from ..payload.rewrite import rewrite_json_body
 from ..routing import dispatch, explain
 from ..routing.ingress import canonical, family_for
 from ..routing.limits import refusal as budget_refusal
+from ..routing.shadow import SHADOW_HEADER
+from ..routing.shadow import draw as shadow_draw
 from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
 from ..routing.trace import Trace
 from ..stores.cache import ResponseCache
@@ -56,6 +58,7 @@ from .response_stream import (
     usage_metadata,
 )
 from .runtime import HandlerRuntime
+from .shadow_stream import ShadowStream, is_shadow
 
 log = logging.getLogger("model_router.extproc")
 
@@ -220,6 +223,7 @@ class Processor(pbg.ExternalProcessorServicer):
         silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
         messages = request_iterator.__aiter__()
         hop: HopStream | None = None
+        shadow: ShadowStream | None = None
         self.in_flight += 1
         try:
             while True:
@@ -237,6 +241,15 @@ class Processor(pbg.ExternalProcessorServicer):
                         hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
                         yield hop.headers()
                         continue
+                    if is_shadow(req):  # a shadow copy on its arm's cluster
+                        shadow = self._shadow(req)
+                        # Counted when the call ends, however it ends: a copy whose
+                        # backend never answers ends with Envoy's reset, not a message.
+                        context.add_done_callback(lambda _call, s=shadow: s.finish())
+                        yield shadow.headers()
+                        if shadow.done:
+                            return
+                        continue
                     if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
                         yield self._shed(st, req.request_headers)
                         return
@@ -249,6 +262,11 @@ class Processor(pbg.ExternalProcessorServicer):
                     if hop is not None:
                         yield hop.body(req.request_body)
                         return
+                    if shadow is not None:
+                        yield shadow.body(req.request_body)
+                        if shadow.done:
+                            return
+                        continue
                     body = req.request_body.body  # each read of the field is a copy of the whole body
                     if not await self.json_budget.within(body):
                         yield self._refuse(self._too_complex(st), st)
@@ -267,6 +285,14 @@ class Processor(pbg.ExternalProcessorServicer):
                         resp = await self._from_cache(st) or resp
                     yield await self._shared_budgets(st, resp)
                     return
+                elif kind == "response_headers" and shadow is not None:
+                    yield shadow.response_headers(req.response_headers)
+                    if shadow.done:
+                        return
+                elif kind == "response_body" and shadow is not None:
+                    yield shadow.response_body(req.response_body)
+                    if shadow.done:
+                        return
                 elif kind == "response_headers":
                     # A response stream (the upstream filter), opened only for rewrites.
                     plan = rewrite_of(req.metadata_context)
@@ -313,6 +339,10 @@ class Processor(pbg.ExternalProcessorServicer):
             raise
         finally:
             self.in_flight -= 1
+
+    def _shadow(self, req: pb.ProcessingRequest) -> ShadowStream:
+        sink = self.runtime.usage_sink()
+        return ShadowStream(self.runtime.snapshot, req, sink.write if sink is not None else None)
 
     # ------------------------------------------------------------------ request
 
@@ -478,7 +508,8 @@ class Processor(pbg.ExternalProcessorServicer):
     def _remember(self, st: _Stream, route: routing.Route) -> None:
         """The arm that serves this request, for feedback on it (in memory: no I/O here)."""
         plan = route.plan
-        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
+        if plan is not None and plan.kind == "routed" and plan.experiment is not None and (
+                st.ingress is not None and st.ingress.body == "json"):  # a copy's model is a JSON member
             self.feedback.record(st.snap.config, st.headers.get("x-request-id"), self._owner(st),
                                  plan.experiment, plan.variant)
 
@@ -514,6 +545,12 @@ class Processor(pbg.ExternalProcessorServicer):
             shared += (("accept-encoding", "identity"),)
         if plan is not None and plan.needs_response:
             shared += ((RESPONSE_HEADER, "rewrite"),)  # selects the route whose upstream filter rewrites
+        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
+            info = st.snap.experiments.get(route.client_model)
+            copy_to = shadow_draw(info.config if info is not None else None, self._rand.random())
+            if copy_to is not None and info is not None:
+                shared += ((SHADOW_HEADER, copy_to),)  # the routes' mirror policy copies the request there
+                metrics.SHADOW_COPIES.labels(info.config.name, info.config.shadows[0].id).inc()
         own = []
         if route.path is not None:
             own.append((":path", route.path))

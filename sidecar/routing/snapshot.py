@@ -145,7 +145,7 @@ def build(
     for e in config.model_experiments:
         if not e.hide_variant_models:
             continue
-        for v in e.variants:
+        for v in e.arms():
             canonical = meta_alias.get(v.model, v.model)
             names = {v.model, canonical}
             if canonical in metadata:

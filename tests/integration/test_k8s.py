@@ -173,6 +173,9 @@ def test_a_terminating_pod_keeps_serving_until_the_gateway_has_let_go():
     ("limits: [{model: m, tokens: 1000}]\n", "limits[0]: request rates and token budgets"),
     ("model_experiments: [{name: e, model: chat, response_model: client, variants: [{id: a, model: m, weight: 1}]}]\n",
      "model_experiments 'e'.response_model: client needs the response processor"),
+    ("model_experiments: [{name: e, model: chat, variants: [{id: a, model: m, weight: 1}, "
+     "{id: s, model: m, shadow: {share: 0.1}}]}]\n",
+     "model_experiments 'e'.variants: the shadow arm 's' needs the shadow cluster"),
 ])
 def test_what_a_gateway_would_silently_skip_is_refused(tmp_path, extra, message):
     path = tmp_path / "c.yaml"

@@ -49,7 +49,7 @@ model_experiments:
     model: chat
     hide_variant_models: true
     fallback: cross_variant
-    variants: [{id: x, model: m-a, weight: 1}, {id: y, model: m-b, weight: 1}]
+    variants: [{id: x, model: m-a, weight: 1}, {id: y, model: m-b, weight: 1}, {id: z, model: m-b, shadow: {share: 0.1}}]
 """
 
 
@@ -176,7 +176,10 @@ def test_every_dashboard_expression_reads_exported_metrics_or_recorded_rules():
                    "model_experiment:request_duration_seconds:p95_5m", "model_experiment_variant_paused",
                    "model_experiment:random_assignment:ratio_rate5m", "model_experiment_reserved_refusals_total",
                    "continuum_model_variant_requests_total", "model_router_fallbacks_total",
-                   "model_router_cache_hits_total", "model_experiment:srm_p_value:min"):
+                   "model_router_cache_hits_total", "model_experiment:srm_p_value:min",
+                   "model_experiment_shadow_requests_total", "model_experiment_shadow_copies_total",
+                   "model_experiment_shadow_request_duration_seconds_bucket",
+                   "model_experiment_shadow_time_to_first_token_seconds_bucket", "model_experiment_shadow_tokens_total"):
         assert needed in used, needed
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))

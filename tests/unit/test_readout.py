@@ -247,3 +247,30 @@ def test_a_prometheus_that_answers_nonsense_is_an_error_not_a_traceback(cfg, tmp
             assert want in capsys.readouterr().err
     finally:
         server.shutdown()
+
+
+def test_a_shadow_arm_is_reported_beside_the_live_arms_from_its_copies():
+    cfg = parse(CONFIG.replace(
+        "      - {id: candidate, model: model-b, weight: 50}\n",
+        "      - {id: candidate, model: model-b, weight: 50}\n      - {id: probe, model: model-b, shadow: {share: 0.5}}\n",
+    )).config
+    e = cfg.model_experiments[0]
+    rows = [request(i, "control", latency=100.0) for i in range(4)]
+    copy = {"kind": "shadow", "shadow": True, "experiment_id": "split", "experiment_variant_id": "probe",
+            "time": "2025-12-01T17:53:30.217+00:00", "upstream_model": "model-b", "backend": "pool-b",
+            "prompt_tokens": 10, "completion_tokens": 5}
+    rows += [{**copy, "request_id": "r0", "status": 200, "duration_to_headers_ms": 40.0},
+             {**copy, "request_id": "r1", "status": 502, "duration_to_headers_ms": 60.0}]
+    arms, _ = records.aggregate(rows, cfg, e)
+    probe = arms["probe"]
+    assert probe.requests == 2 and probe.metrics["error_rate"].mean == 0.5
+    assert probe.metrics["latency_ms"].mean == 50.0 and probe.metrics["tokens_per_request"].mean == 15
+    assert arms["control"].requests == 4  # a copy is no request of a live arm
+    report = readout.build(cfg, e, arms, None, "usage_records")
+    assert [(a["variant"], a["role"]) for a in report["arms"]] == [
+        ("control", "control"), ("candidate", "treatment"), ("probe", "shadow")]
+    shadow = [c for c in report["comparisons"] if c.get("shadow")]
+    assert [c["variant"] for c in shadow] == ["probe"]
+    assert shadow[0]["metrics"]["latency_ms"]["difference"] == -50.0
+    text = readout.render(report)
+    assert "probe (shadow)" in text and "probe vs control (shadow copies" in text
