@@ -6,6 +6,8 @@ without them and :func:`join` puts them back.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 
 def split(addr: str) -> tuple[str, int]:
     """``(host, port)`` of ``host:port``, the host without IPv6 brackets; ValueError if malformed."""
@@ -29,3 +31,16 @@ def shifted(addr: str, offset: int) -> str:
     """The same host, ``offset`` ports further on."""
     host, port = split(addr)
     return join(host, port + offset)
+
+
+def split_url(url: str) -> tuple[str, int, bool, str]:
+    """``(host, port, tls, base path)`` of a backend URL; the base path drops a
+    trailing ``/v1`` (operators often paste an SDK base URL, and the ingress
+    paths carry ``/v1`` already)."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return parts.hostname or "", port, tls, path

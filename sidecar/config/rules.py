@@ -6,6 +6,7 @@ runs it after the models have validated each field.
 
 from __future__ import annotations
 
+from . import address
 from .schema import NAME_RE, Backend, Config, Experiment, ShadowArm
 
 
@@ -199,10 +200,8 @@ def _check_shadow_path(
 ) -> None:
     """A copy keeps the live request's path, base path included: the shadow's
     backend must sit under the same base path as the live arms' backends."""
-    from .snapshot import _split
-
     def base(b: Backend) -> str:
-        return "" if b.url == "demo://" else _split(b.url)[3]
+        return "" if b.url == "demo://" else address.split_url(b.url)[3]
 
     pin = arm.backends[0] if arm.backends else None
     target = backends.get(pin) if pin else next(

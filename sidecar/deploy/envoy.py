@@ -35,7 +35,6 @@ from ..routing.snapshot import (
     CLIENT_ROUTER_HEADERS,
     EXPLAIN_HEADER,
     ROUTER_HEADER_PREFIXES,
-    _split,
 )
 from ..serve import grpc_auth, workers
 from . import envoy_fallback, envoy_limits, envoy_replies, envoy_shadow
@@ -57,7 +56,7 @@ def _is_ip(host: str) -> bool:
 
 
 def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
-    host, port, tls, _ = _split(url)
+    host, port, tls, _ = address.split_url(url)
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if _is_ip(host) else "STRICT_DNS",

@@ -29,9 +29,10 @@ from typing import Any
 
 import yaml
 
+from ..config import address
 from ..config.schema import DEFAULT_RETIRE_AFTER, Config
 from ..contract import RESPONSE_HEADER
-from ..routing.snapshot import BACKEND_HEADER, _split
+from ..routing.snapshot import BACKEND_HEADER
 from . import k8s_access
 from .envoy import backend_routes
 
@@ -92,7 +93,7 @@ def backend_ref(name: str, url: str) -> BackendRef:
     beside the router."""
     if url == "demo://":
         return BackendRef(name, name, None, DEMO_PORT, name, False, False, True)
-    host, port, tls, _ = _split(url)
+    host, port, tls, _ = address.split_url(url)
     m = _SERVICE_HOST.match(host)
     if m:
         return BackendRef(name, m["name"], m["ns"], port, host, False, tls, False)

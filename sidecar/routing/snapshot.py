@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from urllib.parse import urlsplit
 
+from ..config import address
 from ..config import limits as limit_rules
 from ..config.limits import Rule
 from ..config.schema import ApiKey, Backend, Config, Experiment, ModelMetadata
@@ -38,17 +38,6 @@ class BackendInfo:
     internal: bool
     weight: int
     config: Backend
-
-
-def _split(url: str) -> tuple[str, int, bool, str]:
-    parts = urlsplit(url)
-    tls = parts.scheme == "https"
-    port = parts.port or (443 if tls else 80)
-    path = parts.path.rstrip("/")
-    # Operators often paste an SDK base URL; the ingress paths carry /v1 already.
-    if path.endswith("/v1"):
-        path = path[:-3]
-    return parts.hostname or "", port, tls, path
 
 
 @dataclass(frozen=True)
@@ -119,7 +108,7 @@ def build(
     served: dict[str, list[str]] = {}
     for b in config.backends:
         url = overrides.get(b.name, b.url)
-        host, port, tls, path = _split(url) if url != "demo://" else ("", 0, False, "")
+        host, port, tls, path = address.split_url(url) if url != "demo://" else ("", 0, False, "")
         backends[b.name] = BackendInfo(
             name=b.name, url=url, family=b.family, base_path=path, host=host, port=port, tls=tls,
             api_key=b.api_key, internal=b.internal, weight=b.weight, config=b,
