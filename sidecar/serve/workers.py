@@ -12,7 +12,10 @@ endpoint of Envoy's ext_proc cluster. The supervisor:
   ``SO_REUSEPORT``). Once the replacement is ready the old worker drains: it
   reports NOT_SERVING, waits until Envoy's health check has seen that and sends
   it no new streams, then finishes what it has in flight and exits;
-- forwards SIGTERM/SIGINT, then waits for every worker to drain.
+- forwards SIGTERM/SIGINT, then waits for every worker to drain;
+- on Linux, takes its workers with it when it dies however it dies (even
+  SIGKILL, which it cannot forward): each worker asks the kernel for SIGTERM
+  when its parent goes (``PR_SET_PDEATHSIG``) and drains on it.
 
 Workers talk back over a pipe named by ``MODEL_ROUTER_SUPERVISOR_FD``: one
 line ``ready`` once serving, one line ``recycle`` when due.
@@ -20,12 +23,14 @@ line ``ready`` once serving, one line ``recycle`` when due.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import selectors
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +63,25 @@ def notify(event: str) -> None:
 def restarts_so_far() -> dict[str, int]:
     """How often this worker's slot was restarted before this process, by reason."""
     return {"crash": int(os.environ.get(CRASHES_ENV, "0")), "recycle": int(os.environ.get(RECYCLES_ENV, "0"))}
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _with_parent(parent: int) -> Callable[[], None] | None:
+    """What a forked worker runs before it starts: SIGTERM when the supervisor
+    dies (kept across exec), so no worker outlives it; None where the kernel
+    has no such request."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before the request: nobody would send the signal
+            os._exit(1)
+
+    return arm
 
 
 def port_in_use(addr: str) -> bool:
@@ -129,7 +153,8 @@ class Supervisor:
         read, write = os.pipe()
         env = dict(os.environ, **{FD_ENV: str(write), CRASHES_ENV: str(slot.crashes),
                                   RECYCLES_ENV: str(slot.recycles)})
-        popen = subprocess.Popen(self.argv(slot.index, standby), env=env, pass_fds=(write,))
+        popen = subprocess.Popen(self.argv(slot.index, standby), env=env, pass_fds=(write,),
+                                 preexec_fn=_with_parent(os.getpid()))
         os.close(write)
         os.set_blocking(read, False)
         child = _Child(popen, read, standby)

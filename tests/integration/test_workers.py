@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +136,37 @@ def test_a_killed_worker_is_restarted_and_the_others_serve_meanwhile(tmp_path):
     finally:
         stack.close()
     assert all(not Path(f"/proc/{p}").exists() for p in before[1:] + restarted), "a worker outlived the stack"
+
+
+def test_a_killed_supervisor_takes_its_workers_with_it(tmp_path):
+    # SIGKILL cannot be forwarded: the kernel sends each worker SIGTERM when
+    # its parent dies, and the worker drains and exits.
+    stack = supervised_stack(tmp_path, workers=2)
+    workers: list[int] = []
+    try:
+        supervisor = stack._procs["sidecar-supervisor"].popen.pid
+        workers = children(supervisor)
+        assert len(workers) == 2
+        assert httpx.post(f"{stack.url}/v1/chat/completions", json={"model": "chat", "messages": [
+            {"role": "user", "content": "hi"}]}, timeout=30).status_code == 200
+        subprocess.run(["kill", "-KILL", str(supervisor)], check=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(p) for p in workers):
+            time.sleep(0.1)
+        assert [p for p in workers if _alive(p)] == [], "a worker outlived its supervisor"
+    finally:
+        stack.close()
+        for pid in [p for p in workers if _alive(p)]:  # what the test starts, it stops
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def test_recycling_under_load_fails_no_request(tmp_path):
