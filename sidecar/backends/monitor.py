@@ -15,7 +15,8 @@ backend it independently
 ``origin`` is the scheme and authority of the backend's effective URL; the
 URL's path is already in ``base_path``.
 
-Results are published as an immutable mapping of :class:`BackendState`; a
+Results are published as an immutable mapping of
+:class:`~sidecar.backends.state.BackendState`; a
 new mapping object replaces the old one whenever anything changes, so the
 routing decision takes one reference per request and never sees a partial
 update. Passive health (:meth:`Monitor.report_response`) holds a backend
@@ -37,11 +38,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 
 from ..config.engines import (
     ENGINES,
@@ -55,20 +54,14 @@ from ..config.engines import (
 )
 from ..config.schema import Monitor as MonitorConfig
 from ..metrics import BACKEND_METRICS_MISSING as METRICS_MISSING
-from ..routing.route import credentials
-from ..routing.selection import admissible, fresh
+from ..routing.selection import fresh
 from ..routing.snapshot import BackendInfo, Snapshot
+from .state import BackendState, MetricsStatus, auth_headers, parse_models, poll_url
 
-__all__ = [
-    "ANTHROPIC_VERSION",
-    "BackendState",
-    "Monitor",
-    "parse_models",
-]
+__all__ = ["Monitor"]
 
 log = logging.getLogger("model_router.monitor")
 
-ANTHROPIC_VERSION = "2023-06-01"
 MODELS_PATH = "/v1/models"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest probe, metrics or model-list body read; a larger one is a failed poll."""
@@ -81,101 +74,6 @@ IDLE_KEEPALIVE_S = 2.5
 SGLang's servers close an idle connection, so a poll never goes out on a socket the server
 is closing. (aiohttp also retries an idempotent request once when a reused connection
 turns out closed.)"""
-
-MetricsStatus = Literal["ok", "missing", "failed"]
-"""A scrape's outcome: the engine's series read; an answer (a page, a 4xx or a 501) without any; no usable answer."""
-
-# --------------------------------------------------------------------------- state
-
-
-@dataclass(frozen=True)
-class BackendState:
-    """What the monitor knows about one backend, as of one publication.
-
-    ``healthy`` is the verdict of the active health checks (True when the
-    backend has no probe path or has not been checked yet); ``probe_failures``
-    counts the failed checks since the last passed one. A passive hold-out is
-    reported separately in ``held_out_until`` because it ends by the clock;
-    :meth:`admissible` combines both. ``engine`` names the engine whose series
-    are read (for a backend whose type names none, the one its page showed);
-    ``metrics`` is the latest scrape's :data:`MetricsStatus`.
-    """
-
-    name: str
-    healthy: bool = True
-    probe_failures: int = 0
-    held_out_until: float = 0.0
-    models: tuple[str, ...] | None = None
-    models_ok: bool = False
-    engine: str | None = None
-    metrics: MetricsStatus | None = None
-    throughput_tps: float | None = None
-    waiting: float | None = None
-    running: float | None = None
-    scraped_at: float | None = None
-
-    def held_out(self, now: float) -> bool:
-        """Whether a passive failure still holds the backend out at ``now``."""
-        return now < self.held_out_until
-
-    def fresh(self, now: float, freshness_s: float) -> bool:
-        """Whether the latest successful scrape is at most ``freshness_s`` old at ``now``."""
-        return fresh(self.scraped_at, now, freshness_s)
-
-    def admissible(self, now: float, max_waiting: int | None, freshness_s: float | None = None) -> bool:
-        """:func:`sidecar.routing.admissible`, the rule routing applies too."""
-        return admissible(self, now, max_waiting, freshness_s)
-
-
-# --------------------------------------------------------------------------- pure helpers
-
-
-def _check_model_id(value: object) -> str | None:
-    if not isinstance(value, str) or not value or len(value) > 256:
-        return None
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        return None
-    return value
-
-
-def parse_models(body: bytes | str) -> tuple[str, ...]:
-    """Model ids of an OpenAI/Anthropic ``{"data": [{"id": ...}, ...]}`` list, in order, deduplicated.
-
-    An entry's ``aliases`` list is read too: llama-server started with
-    ``--alias a,b`` lists one entry whose ``id`` is one of the names and whose
-    ``aliases`` hold them all, and it answers to each. Names that are not
-    usable (not a string, empty, over 256 characters or with control
-    characters) are skipped; a body of another shape raises ``ValueError``.
-    """
-    doc = orjson.loads(body)
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        raise ValueError("model list has no 'data' array")
-    out: dict[str, None] = {}
-    for item in data:
-        if not isinstance(item, dict):
-            continue
-        aliases = item.get("aliases")
-        for name in (item.get("id"), *(aliases if isinstance(aliases, list) else ())):
-            model = _check_model_id(name)
-            if model is not None:
-                out.setdefault(model, None)
-    return tuple(out)
-
-
-def auth_headers(info: BackendInfo) -> dict[str, str]:
-    """The credentials a request to this backend carries (none without an api_key)."""
-    headers = dict(credentials(info))
-    if headers and info.family == "anthropic":
-        headers["anthropic-version"] = ANTHROPIC_VERSION
-    return headers
-
-
-def poll_url(info: BackendInfo, path: str) -> str:
-    """``<scheme>://<authority><base_path><path>`` for a backend."""
-    parts = urlsplit(info.url)
-    return f"{parts.scheme}://{parts.netloc}{info.base_path}{path}"
-
 
 def _pollable(info: BackendInfo) -> bool:
     return info.config.enabled and urlsplit(info.url).scheme in ("http", "https")

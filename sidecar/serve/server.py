@@ -29,7 +29,7 @@ from ..accounting.logs import DecisionLog, announce, fatal
 from ..accounting.logs import setup as setup_logging
 from ..accounting.metering import AccessLogService, JsonLinesSink, Meter
 from ..accounting.tracing import Tracer
-from ..backends.monitor import BackendState
+from ..backends.state import BackendState
 from ..config import address
 from ..config import guard as config_guard
 from ..config import schema as config_mod

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.backends.monitor import BackendState
+from sidecar.backends.state import BackendState
 from sidecar.commands.main import main
 from sidecar.config.schema import parse
 from sidecar.deploy.envoy import _namespace_matchers

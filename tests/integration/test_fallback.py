@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from sidecar.backends.monitor import BackendState
+from sidecar.backends.state import BackendState
 from sidecar.config.schema import ConfigError, parse
 from sidecar.errors import Reply
 from sidecar.routing import Caller, Request, decide, snapshot

@@ -15,7 +15,7 @@ import openai
 import orjson
 import pytest
 
-from sidecar.backends.monitor import BackendState
+from sidecar.backends.state import BackendState
 from sidecar.config.schema import parse
 from sidecar.deploy import envoy as envoyconf
 from sidecar.devstack.stack import envoy_binary, free_port

@@ -18,7 +18,8 @@ from types import MappingProxyType
 import aiohttp
 import pytest
 
-from sidecar.backends.monitor import BackendState, Monitor, auth_headers, parse_models, poll_url
+from sidecar.backends.monitor import Monitor
+from sidecar.backends.state import BackendState, auth_headers, parse_models, poll_url
 from sidecar.config.schema import parse
 from sidecar.devstack.stack import free_port
 from sidecar.metrics import REGISTRY

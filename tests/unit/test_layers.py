@@ -119,7 +119,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
 def test_the_monitor_state_is_a_routing_backend_view():
     # Routing reads backends through a protocol; the monitor's state must satisfy it
     # (mypy checks the same when both sides are typed).
-    from sidecar.backends.monitor import BackendState
+    from sidecar.backends.state import BackendState
     from sidecar.routing.selection import BackendView
 
     members = [name for name in dir(BackendView) if not name.startswith("_")]
