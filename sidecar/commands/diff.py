@@ -19,6 +19,7 @@ value that is not a time or a keys file that cannot be read.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -26,8 +27,21 @@ from pathlib import Path
 
 from ..experiments.diff import Diff, ExperimentDiff, KeyList, SeenKeys, diff
 from .assign import parse_time
+from .common import load_config
 
 _FROM_TO = " -> "
+
+
+def add_arguments(df: argparse.ArgumentParser) -> None:
+    df.add_argument("old", help="the config in service")
+    df.add_argument("new", help="the edited config")
+    callers = df.add_mutually_exclusive_group()
+    callers.add_argument("--keys", metavar="FILE", help="sticky values, one per line: recompute each one's arm")
+    callers.add_argument("--usage-records", metavar="FILE",
+                         help="the router's usage records: recompute the key ids seen in each experiment")
+    df.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    df.add_argument("--movers", type=int, default=20, metavar="N", help="movers listed per experiment (default 20)")
+    df.add_argument("--json", action="store_true", help="print JSON, every mover included")
 
 
 class InputError(ValueError):
@@ -123,10 +137,8 @@ def render(d: Diff, movers: int = 20) -> str:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Entry point for ``model-router experiments diff`` (see the module docstring)."""
-    from .main import load_config
-
     old, new = load_config(args.old), load_config(args.new)
     if old is None or new is None:
         return 1
