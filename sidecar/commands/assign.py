@@ -103,6 +103,7 @@ def render(a: Answer, key: str) -> str:
         lines.append(f"window          none: sticky_ttl {_duration(a.sticky_ttl)} applies to sticky keys only")
     else:
         start = a.window_start
+        assert start is not None  # a window with a boundary and a sticky_ttl has a start
         lines.append(
             f"window          {a.window} of sticky_ttl {_duration(a.sticky_ttl)} ({a.sticky_ttl} s): "
             f"from {_iso(start)} (unix {_unix(start)})"

@@ -23,9 +23,11 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
-from ..experiments.diff import Diff, ExperimentDiff, KeyList, SeenKeys, diff
+from ..experiments.diff import CallerSource, Diff, ExperimentDiff, KeyList, SeenKeys, diff
 from .assign import parse_time
 from .common import load_config
 
@@ -80,7 +82,7 @@ def _pct(share: float) -> str:
     return f"{share:.2%}"
 
 
-def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], indent: str) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         at = parse_time(args.at) if args.at is not None else time.time()
-        source = None
+        source: KeyList | SeenKeys | None = None
         if args.keys is not None:
             source = read_keys(args.keys)
         elif args.usage_records is not None:
@@ -153,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    d = diff(old.config, new.config, at, source)
+    # CallerSource declares ``source`` as a plain (settable) attribute; these frozen
+    # dataclasses hold it read-only, which is all diff() does with it.
+    d = diff(old.config, new.config, at, cast(CallerSource | None, source))
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False, indent=2))
     else:

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def _g(x: Any) -> str:
     return "-" if x is None else f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def _table(rows: list[tuple[str, ...]], indent: str = "                ") -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], indent: str = "                ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
