@@ -20,12 +20,22 @@ printed, as ``config validate`` does) or an unknown experiment; 2 for an
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
 from datetime import UTC, datetime
 
 from ..experiments.service import Answer, InvalidArgument, UnknownExperiment, answer
+from .common import load_config
+
+
+def add_arguments(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--config", required=True)
+    a.add_argument("--experiment", required=True, help="experiment name")
+    a.add_argument("--key", required=True, help="the caller's sticky value (API key, user or header value)")
+    a.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    a.add_argument("--json", action="store_true", help="print JSON")
 
 
 def parse_time(text: str) -> float:
@@ -93,6 +103,7 @@ def render(a: Answer, key: str) -> str:
         lines.append(f"window          none: sticky_ttl {_duration(a.sticky_ttl)} applies to sticky keys only")
     else:
         start = a.window_start
+        assert start is not None  # a window with a boundary and a sticky_ttl has a start
         lines.append(
             f"window          {a.window} of sticky_ttl {_duration(a.sticky_ttl)} ({a.sticky_ttl} s): "
             f"from {_iso(start)} (unix {_unix(start)})"
@@ -130,10 +141,8 @@ def render(a: Answer, key: str) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Entry point for ``model-router experiments assign`` (see the module docstring)."""
-    from .main import load_config
-
     loaded = load_config(args.config)
     if loaded is None:
         return 1

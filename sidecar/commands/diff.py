@@ -19,15 +19,31 @@ value that is not a time or a keys file that cannot be read.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
-from ..experiments.diff import Diff, ExperimentDiff, KeyList, SeenKeys, diff
+from ..experiments.diff import CallerSource, Diff, ExperimentDiff, KeyList, SeenKeys, diff
 from .assign import parse_time
+from .common import load_config
 
 _FROM_TO = " -> "
+
+
+def add_arguments(df: argparse.ArgumentParser) -> None:
+    df.add_argument("old", help="the config in service")
+    df.add_argument("new", help="the edited config")
+    callers = df.add_mutually_exclusive_group()
+    callers.add_argument("--keys", metavar="FILE", help="sticky values, one per line: recompute each one's arm")
+    callers.add_argument("--usage-records", metavar="FILE",
+                         help="the router's usage records: recompute the key ids seen in each experiment")
+    df.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    df.add_argument("--movers", type=int, default=20, metavar="N", help="movers listed per experiment (default 20)")
+    df.add_argument("--json", action="store_true", help="print JSON, every mover included")
 
 
 class InputError(ValueError):
@@ -66,7 +82,7 @@ def _pct(share: float) -> str:
     return f"{share:.2%}"
 
 
-def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], indent: str) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -123,16 +139,14 @@ def render(d: Diff, movers: int = 20) -> str:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Entry point for ``model-router experiments diff`` (see the module docstring)."""
-    from .main import load_config
-
     old, new = load_config(args.old), load_config(args.new)
     if old is None or new is None:
         return 1
     try:
         at = parse_time(args.at) if args.at is not None else time.time()
-        source = None
+        source: KeyList | SeenKeys | None = None
         if args.keys is not None:
             source = read_keys(args.keys)
         elif args.usage_records is not None:
@@ -141,7 +155,9 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    d = diff(old.config, new.config, at, source)
+    # CallerSource declares ``source`` as a plain (settable) attribute; these frozen
+    # dataclasses hold it read-only, which is all diff() does with it.
+    d = diff(old.config, new.config, at, cast(CallerSource | None, source))
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False, indent=2))
     else:

@@ -14,15 +14,26 @@ that cannot be read or used, or an ``--at`` value that is not a time.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..routing import snapshot
 from ..routing.explain import RequestSpec, SpecError, explain
 from .assign import parse_time
+from .common import load_config
+
+
+def add_arguments(ex: argparse.ArgumentParser) -> None:
+    ex.add_argument("--config", required=True)
+    ex.add_argument("--request", required=True, metavar="FILE",
+                    help='JSON {"method", "path", "headers", "body"}; - for standard input')
+    ex.add_argument("--at", help="unix time or ISO-8601 instant (default: now); matters with sticky_ttl")
+    ex.add_argument("--json", action="store_true", help="print JSON, as POST /admin/explain answers")
 
 
 def _load_request(path: str) -> RequestSpec:
@@ -40,7 +51,7 @@ def _g(x: Any) -> str:
     return "-" if x is None else f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def _table(rows: list[tuple[str, ...]], indent: str = "                ") -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], indent: str = "                ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -112,10 +123,8 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Entry point for ``model-router explain`` (see the module docstring)."""
-    from .main import load_config
-
     loaded = load_config(args.config)
     if loaded is None:
         return 1

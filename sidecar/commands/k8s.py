@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..deploy import k8s
+from .common import load_config, pairs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,8 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .main import _pairs, load_config
-
     try:
         text = Path(args.config).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -41,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     opts = k8s.Options(namespace=args.namespace, name=args.name, image=args.image, replicas=args.replicas,
                        gateway=args.gateway, gateway_namespace=args.gateway_namespace,
-                       backend_urls=_pairs(args.backend_url, "--backend-url"),
+                       backend_urls=pairs(args.backend_url, "--backend-url"),
                        monitoring_namespace=args.monitoring_namespace)
     try:
         files = k8s.manifests(loaded.config, text, opts)

@@ -8,6 +8,7 @@ others keep their arm, and resuming gives each caller its earlier arm back.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +17,14 @@ from ..config import schema as config_mod
 from ..experiments import reassignment
 
 
-def run(args) -> int:
+def add_arguments(pz: argparse.ArgumentParser) -> None:
+    pz.add_argument("--config", required=True, help="the config file the sidecars read")
+    pz.add_argument("--experiment", required=True, help="experiment name")
+    pz.add_argument("--variant", required=True, help="variant id")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point for both verbs: ``args.experiments_command`` says which."""
     paused = args.experiments_command == "pause"
     path = Path(args.config)
     try:
@@ -29,7 +37,7 @@ def run(args) -> int:
         return 1
 
 
-def _edit(args, path: Path, paused: bool) -> int:
+def _edit(args: argparse.Namespace, path: Path, paused: bool) -> int:
     try:
         text = path.read_text(encoding="utf-8")
         new, changed = config_edit.set_paused(text, args.experiment, args.variant, paused)
@@ -77,7 +85,7 @@ def _problems(new: str, old: str) -> tuple[list[str], list[str]]:
     return [e for e in errors if e not in before], [e for e in errors if e in before]
 
 
-def _movement(paused_text: str, args, paused: bool) -> str:
+def _movement(paused_text: str, args: argparse.Namespace, paused: bool) -> str:
     """Which share of sticky callers changes arm: those the arm holds while in the race."""
     import yaml
 

@@ -42,7 +42,7 @@ from . import envoy_fallback, envoy_limits, envoy_replies, envoy_shadow
 _T = "type.googleapis.com/"
 
 
-def _addr(listen: str) -> dict:
+def _addr(listen: str) -> dict[str, Any]:
     host, port = address.split(listen)
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -55,7 +55,7 @@ def _is_ip(host: str) -> bool:
         return False
 
 
-def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict:
+def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict[str, Any]:
     host, port, tls, _ = address.split_url(url)
     cluster: dict[str, Any] = {
         "name": name,
@@ -120,7 +120,7 @@ RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 _ANTHROPIC_REQUEST_ID = ("request-id", "x_request_id")
 
 
-def _attribution_headers() -> list[dict]:
+def _attribution_headers() -> list[dict[str, Any]]:
     return [
         {
             "header": {"key": name, "value": f"%DYNAMIC_METADATA({REPLY_NAMESPACE}:{key})%"},
@@ -142,7 +142,7 @@ def not_one_of(words: Sequence[str]) -> str:
     return "|".join(alternatives)
 
 
-def _namespace_matchers(prefix: str) -> list[dict]:
+def _namespace_matchers(prefix: str) -> list[dict[str, Any]]:
     """Key matchers for every header of a router namespace but the ones an
     operator may send; one pattern per first letter of those, since Envoy
     refuses an RE2 program past 100 instructions."""
@@ -173,7 +173,7 @@ UNROUTED = {"name": "unrouted", "match": {"prefix": "/"}, "direct_response": {"s
 
 def _routes(
     timeout_s: int, idle_timeout_s: int, fail_open_cluster: str | None, table: list[tuple[str, str]] | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Two routes per target: the one the decision selects with
     ``x-model-router-response`` runs the response processor among its
     upstream filters; the other skips it. The target is the cluster named by
@@ -191,7 +191,7 @@ def _routes(
     }
     disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
     rewrite = {"name": RESPONSE_HEADER, "string_match": {"exact": "rewrite"}}
-    routes: list[dict] = []
+    routes: list[dict[str, Any]] = []
     if fail_open_cluster is not None:
         routes.append({
             "name": "fail_open",
@@ -199,6 +199,7 @@ def _routes(
             "route": {**action, "cluster": fail_open_cluster},
             "typed_per_filter_config": {RESPONSE_FILTER: disabled},
         })
+    targets: list[tuple[str | None, list[dict[str, Any]], dict[str, str]]]
     targets = [(None, [], {"cluster_header": BACKEND_HEADER})] if table is None else [
         (value, [{"name": BACKEND_HEADER, "string_match": {"exact": value}}], {"cluster": cluster})
         for value, cluster in table
@@ -214,7 +215,7 @@ def _routes(
     return routes if table is None else [*routes, UNROUTED]
 
 
-def _with_fallback(config: Config, routes: list[dict]) -> list[dict]:
+def _with_fallback(config: Config, routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The routes of decisions with hops to fall back to come first. They name
     composite clusters, which only Envoy's own configuration has, so in either
     routing mode they take the cluster from the routing header."""
@@ -232,21 +233,21 @@ def _url(config: Config, backend: str) -> str:
     return next(b.url for b in config.backends if b.name == backend)
 
 
-def _codec() -> dict:
+def _codec() -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.upstream_codec",
         "typed_config": {"@type": _T + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
     }
 
 
-def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> list[dict]:
+def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> list[dict[str, Any]]:
     return [_response_ext_proc(message_timeout_ms, buffer_limit, fail_open), _codec()]
 
 
 def _ext_proc(
     name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool,
     cluster: str = RESERVED_BACKEND_NAME, **extra: Any,
-) -> dict:
+) -> dict[str, Any]:
     """An ext_proc filter on the sidecar cluster. ``modes``: request headers,
     request body, response headers, response body (trailers are never sent).
     When the sidecar cannot be reached the request fails (503) or, with
@@ -275,7 +276,7 @@ def _ext_proc(
     }
 
 
-def _response_ext_proc(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> dict:
+def _response_ext_proc(message_timeout_ms: int, buffer_limit: int, fail_open: bool) -> dict[str, Any]:
     """The response processor: an upstream filter, so the route chosen after
     the body decision decides whether it runs. Its own gRPC stream starts at
     the response headers and carries the decision in its metadata context."""
@@ -313,14 +314,14 @@ _SSE_USAGE_PATHS = _USAGE_PATHS[:2] + [
 _RESPONSE_FACTS = [(("id",), "response_id"), (("model",), "response_model"), (("stop_reason",), "finish_reason")]
 
 
-def _usage_rule(path: tuple[str, ...], key: str, kind: str = "NUMBER") -> dict:
+def _usage_rule(path: tuple[str, ...], key: str, kind: str = "NUMBER") -> dict[str, Any]:
     return {
         "selectors": [{"key": k} for k in path],
         "on_present": {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": kind},
     }
 
 
-def json_usage_filter() -> dict:
+def json_usage_filter() -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.json_to_metadata",
         "typed_config": {
@@ -336,7 +337,7 @@ def json_usage_filter() -> dict:
     }
 
 
-def _sse_usage_filter() -> dict:
+def _sse_usage_filter() -> dict[str, Any]:
     # Work in progress in Envoy 1.40 (it warns at start); its protos are not in
     # xds-protos yet, so the shape is pinned by tests/integration/test_metering.py.
     return {
@@ -357,7 +358,7 @@ def _sse_usage_filter() -> dict:
     }
 
 
-def access_log(flush_interval_ms: int, cluster: str = RESERVED_BACKEND_NAME) -> dict:
+def access_log(flush_interval_ms: int, cluster: str = RESERVED_BACKEND_NAME) -> dict[str, Any]:
     """One entry per request to the sidecar's AccessLogService, batched."""
     return {
         "name": "envoy.access_loggers.http_grpc",
@@ -386,7 +387,7 @@ def _fail_open_cluster(config: Config) -> str | None:
     return next((b.name for b in config.backends if b.enabled), None)
 
 
-def _sidecar_guards(server: Server, endpoints: int) -> dict:
+def _sidecar_guards(server: Server, endpoints: int) -> dict[str, Any]:
     """The ext_proc cluster's protection. A gRPC health check per endpoint: a
     worker that is draining, dead, or a recycling slot's idle port gets no new
     streams (and no panic routing to them: with no healthy worker, Envoy
@@ -418,7 +419,7 @@ def buffer_limit_bytes(server: Server) -> int:
     return server.max_body_bytes + 1024 * 1024
 
 
-def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dict:
+def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dict[str, Any]:
     """The ext_proc filter that asks the sidecar for the decision, calling it
     through ``cluster``. Two messages per request: the decision needs the
     request only. The sidecar turns the response headers off on every request
@@ -433,7 +434,7 @@ def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dic
     )
 
 
-def not_on_header_overflow(http_filter: dict) -> dict:
+def not_on_header_overflow(http_filter: dict[str, Any]) -> dict[str, Any]:
     """``http_filter``, skipped on Envoy's own 431 (request headers past its
     limit, refused by the codec before any filter saw the request): that
     reply then reaches the client instead of waiting on the sidecar while
@@ -452,7 +453,7 @@ def not_on_header_overflow(http_filter: dict) -> dict:
     }}
 
 
-def body_buffer(config: Config) -> dict:
+def body_buffer(config: Config) -> dict[str, Any]:
     """Envoy holds each request body until it is complete (up to
     ``max_body_bytes``; past it Envoy answers 413) before the decision filter
     opens its stream: a slow upload holds a connection, never one of the
@@ -466,7 +467,7 @@ def body_buffer(config: Config) -> dict:
     }
 
 
-def header_guard() -> dict:
+def header_guard() -> dict[str, Any]:
     """The early header mutation that strips every client header in the
     router's namespaces (but the ones an operator may send) before any filter
     or route match sees the request."""
@@ -491,7 +492,7 @@ def bootstrap(
     admin_listen: str | None = None,
     grpc_secret: str | None = None,
     standby: bool = True,
-) -> dict:
+) -> dict[str, Any]:
     """Build the Envoy bootstrap (as a dict) for ``config``.
 
     ``sidecar_addresses`` are the ext_proc endpoints (default: the config's
@@ -665,5 +666,5 @@ def bootstrap(
     return boot
 
 
-def render(boot: dict) -> str:
+def render(boot: dict[str, Any]) -> str:
     return yaml.safe_dump(boot, sort_keys=False, default_flow_style=False)

@@ -34,7 +34,7 @@ HOP_FILTER = "envoy.filters.http.ext_proc/hop"
 MAX_CONCURRENT_RETRIES = 1024
 
 
-def retry_policy(hops: int) -> dict:
+def retry_policy(hops: int) -> dict[str, Any]:
     return {
         "retry_on": "connect-failure,reset,5xx,retriable-status-codes",
         "retriable_status_codes": [429],
@@ -43,7 +43,7 @@ def retry_policy(hops: int) -> dict:
     }
 
 
-def routes(max_hops: int, plain: list[dict]) -> list[dict]:
+def routes(max_hops: int, plain: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each of the ``plain`` routes (rewrite, default), one per hop count
     that also matches the composite prefix and retries that many times."""
     out = []
@@ -58,8 +58,8 @@ def routes(max_hops: int, plain: list[dict]) -> list[dict]:
 
 
 def clusters(
-    snap: Snapshot, max_hops: int, backend_cluster: Callable[[str, str], dict], filters: list[dict],
-) -> list[dict]:
+    snap: Snapshot, max_hops: int, backend_cluster: Callable[[str, str], dict[str, Any]], filters: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
     """The member and composite clusters. ``backend_cluster(name, backend)``
     builds a plain cluster for a backend under another name; ``filters`` is
     the composites' upstream filter chain after the fallback filter."""
@@ -76,7 +76,7 @@ def clusters(
     return out
 
 
-def fallback_filter(ext_proc: dict) -> dict:
+def fallback_filter(ext_proc: dict[str, Any]) -> dict[str, Any]:
     """The hop ext_proc filter (a copy of ``ext_proc``'s shape), skipped on a
     request's first attempt."""
     config = dict(ext_proc["typed_config"])
@@ -107,7 +107,7 @@ def fallback_filter(ext_proc: dict) -> dict:
     }
 
 
-def _composite(name: str, members: list[str], filters: list[dict]) -> dict[str, Any]:
+def _composite(name: str, members: list[str], filters: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "name": name,
         "connect_timeout": "5s",

@@ -13,6 +13,8 @@ answers its own 429 in the ingress's error shape, naming the model.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..config.limits import (
     KEY_ENTRY,
     KEY_HEADER,
@@ -38,19 +40,19 @@ TOKEN_HEADERS = {
 INTERNAL_REQUEST_HEADERS = (MODEL_HEADER, KEY_HEADER, SHARED_MODEL_HEADER, SHARED_KEY_HEADER)
 
 
-def _set(name: str, value: str) -> dict:
+def _set(name: str, value: str) -> dict[str, Any]:
     return {"append": {"header": {"key": name, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                        "keep_empty_value": False}}
 
 
-def _actions(model_header: str, key_header: str) -> list[dict]:
+def _actions(model_header: str, key_header: str) -> list[dict[str, Any]]:
     """Two descriptors from the decision's headers: (model), and (model, key id)."""
     model = {"request_headers": {"header_name": model_header, "descriptor_key": MODEL_ENTRY}}
     key = {"request_headers": {"header_name": key_header, "descriptor_key": KEY_ENTRY}}
     return [{"actions": [model]}, {"actions": [model, key]}]
 
 
-def _shared_filter(config: Config) -> list[dict]:
+def _shared_filter(config: Config) -> list[dict[str, Any]]:
     """Envoy's global rate-limit filter, asking the sidecar's service
     (:mod:`sidecar.handlers.ratelimit`) about shared rates only."""
     if not any(lim.shared for lim in config.limits) or config.redis is None:
@@ -74,7 +76,7 @@ def _shared_filter(config: Config) -> list[dict]:
     }]
 
 
-def filters(config: Config) -> list[dict]:
+def filters(config: Config) -> list[dict[str, Any]]:
     """The filters that go right after ext_proc (none without a request rate)."""
     if not any(lim.rate is not None for lim in config.limits):
         return []
@@ -127,7 +129,7 @@ def filters(config: Config) -> list[dict]:
     ]
 
 
-def response_headers_to_add() -> list[dict]:
+def response_headers_to_add() -> list[dict[str, Any]]:
     """Token-budget headers from the decision's metadata (absent: not sent)."""
     return [
         {"header": {"key": name, "value": f"%DYNAMIC_METADATA({NAMESPACE}:{key})%"},
@@ -142,7 +144,7 @@ def response_headers_to_remove(config: Config) -> list[str]:
     return list(_RAW) if any(lim.rate is not None for lim in config.limits) else []
 
 
-def reply_mappers(anthropic: dict) -> list[dict]:
+def reply_mappers(anthropic: dict[str, Any]) -> list[dict[str, Any]]:
     """Envoy's own 429 (the request-rate filter) in the ingress's shape."""
     status = {"status_code_filter": {"comparison": {
         "op": "EQ", "value": {"default_value": 429, "runtime_key": "model_router.local_reply_status_429"},

@@ -15,6 +15,8 @@ are already in shape: the first mapper leaves them as they are.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..contract import REPLY_NAMESPACE as NAMESPACE
 from . import envoy_limits
 
@@ -27,13 +29,13 @@ _NO_RETRY = [{"header": {"key": "x-should-retry", "value": "false"}, "append_act
 _RETRY_SOON = [{"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
 
 
-def _status(op: str, code: int) -> dict:
+def _status(op: str, code: int) -> dict[str, Any]:
     return {"status_code_filter": {"comparison": {
         "op": op, "value": {"default_value": code, "runtime_key": f"model_router.local_reply_status_{op.lower()}"},
     }}}
 
 
-def _meta_present(key: str) -> dict:
+def _meta_present(key: str) -> dict[str, Any]:
     return {"metadata_filter": {
         "matcher": {"filter": NAMESPACE, "path": [{"key": key}], "value": {"present_match": True}},
         "match_if_key_not_found": False,
@@ -41,7 +43,7 @@ def _meta_present(key: str) -> dict:
 
 
 # A reply by status: (filter, OpenAI code, OpenAI type, Anthropic type, message, headers).
-_Reply = tuple[dict, str, str, str, str, list]
+_Reply = tuple[dict[str, Any], str, str, str, str, list[dict[str, Any]]]
 
 
 def _routed_replies() -> list[_Reply]:
@@ -82,7 +84,7 @@ def _replies(max_body_bytes: int) -> list[_Reply]:
     ]
 
 
-def _mappers(reply: _Reply, anthropic: dict, when: dict | None) -> list[dict]:
+def _mappers(reply: _Reply, anthropic: dict[str, Any], when: dict[str, Any] | None) -> list[dict[str, Any]]:
     status, code, otype, atype, message, headers = reply
     extra = {"headers_to_add": headers} if headers else {}
     shapes = (
@@ -100,7 +102,7 @@ def _mappers(reply: _Reply, anthropic: dict, when: dict | None) -> list[dict]:
     return out
 
 
-def local_reply_config(max_body_bytes: int) -> dict:
+def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
     """Envoy's ``local_reply_config``: the sidecar's replies untouched, then
     the rate limiter's 429, then Envoy's own replies by status and family."""
     # The decision's family once the sidecar has decided (it may have rewritten
@@ -113,7 +115,7 @@ def local_reply_config(max_body_bytes: int) -> dict:
         }},
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
-    mappers: list[dict] = [{"filter": _meta_present("reply")}, *envoy_limits.reply_mappers(anthropic)]
+    mappers: list[dict[str, Any]] = [{"filter": _meta_present("reply")}, *envoy_limits.reply_mappers(anthropic)]
     routed = _meta_present("client_model")
     for reply in _routed_replies():
         mappers += _mappers(reply, anthropic, routed)

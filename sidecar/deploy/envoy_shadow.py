@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 from ..config.schema import Config
 from ..routing.shadow import SHADOW_HEADER, targets
@@ -27,7 +28,7 @@ from ..routing.shadow import SHADOW_HEADER, targets
 SHADOW_FILTER = "envoy.filters.http.ext_proc/shadow"
 
 
-def routes(config: Config, routes: list[dict]) -> list[dict]:
+def routes(config: Config, routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Before ``routes``, per shadow arm a copy of each route that sends
     traffic upstream, matching the decision's shadow header too, with a
     mirror policy to the arm's cluster. The route configuration removes the
@@ -51,7 +52,7 @@ def routes(config: Config, routes: list[dict]) -> list[dict]:
     return out + routes
 
 
-def clusters(config: Config, backend_cluster: Callable[[str, str], dict], ext_proc: dict, codec: dict) -> list[dict]:
+def clusters(config: Config, backend_cluster: Callable[[str, str], dict[str, Any]], ext_proc: dict[str, Any], codec: dict[str, Any]) -> list[dict[str, Any]]:
     """``backend_cluster(name, backend)`` builds a plain cluster for a backend
     under another name; ``ext_proc`` is the shadow filter, ``codec`` the
     upstream codec filter."""
@@ -69,7 +70,7 @@ def clusters(config: Config, backend_cluster: Callable[[str, str], dict], ext_pr
     return out
 
 
-def filter_config(ext_proc: dict) -> dict:
+def filter_config(ext_proc: dict[str, Any]) -> dict[str, Any]:
     """The shadow ext_proc filter (a copy of ``ext_proc``'s shape): the
     request whole, then the response as it streams. It never fails open: the
     copy as it stands names the live model."""

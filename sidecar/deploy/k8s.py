@@ -107,12 +107,12 @@ def backend_refs(config: Config, urls: dict[str, str]) -> dict[str, BackendRef]:
     return {b.name: backend_ref(b.name, urls.get(b.name, b.url)) for b in config.backends}
 
 
-def _meta(name: str, opts: Options, component: str, **extra: Any) -> dict:
+def _meta(name: str, opts: Options, component: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "namespace": opts.namespace,
             "labels": {LABEL: opts.name, "app.kubernetes.io/component": component}, **extra}
 
 
-def _selector(opts: Options, component: str) -> dict:
+def _selector(opts: Options, component: str) -> dict[str, Any]:
     return {LABEL: opts.name, "app.kubernetes.io/component": component}
 
 
@@ -123,12 +123,12 @@ _SECURITY = {
 }
 
 
-def _container(name: str, opts: Options, args: list[str], ports: list[dict], **extra: Any) -> dict:
+def _container(name: str, opts: Options, args: list[str], ports: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {"name": name, "image": opts.image, "imagePullPolicy": "IfNotPresent", "args": args, "ports": ports,
             "securityContext": _SECURITY, **extra}
 
 
-def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
+def _sidecar(config: Config, config_text: str, opts: Options, refs: dict[str, BackendRef]) -> list[dict[str, Any]]:
     secret = f"{opts.name}-config"
     # One process on one port: at its bound it goes unready, drains and exits 0,
     # and the kubelet starts the container again (after its restart backoff), so
@@ -211,7 +211,7 @@ def env_references(config_text: str) -> dict[str, bool]:
     return found
 
 
-def secret_env(config_text: str, opts: Options) -> list[dict]:
+def secret_env(config_text: str, opts: Options) -> list[dict[str, Any]]:
     """The pod's environment for the config's ``${ENV}`` references, each from
     the env Secret; a reference without a default is required (the pod waits
     for the Secret rather than start with a config it cannot load)."""
@@ -220,7 +220,7 @@ def secret_env(config_text: str, opts: Options) -> list[dict]:
             for name, default in sorted(env_references(config_text).items())]
 
 
-def _pre_stop() -> dict:
+def _pre_stop() -> dict[str, Any]:
     # Native sleep (Kubernetes >= 1.30): no shell in the image is needed.
     return {"preStop": {"sleep": {"seconds": PRE_STOP_S}}}
 
@@ -247,7 +247,7 @@ def refuse_unenforced(config: Config) -> None:
                            "live model. Remove the shadow arm for a gateway deployment")
 
 
-def backend_tls_policies(opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
+def backend_tls_policies(opts: Options, refs: dict[str, BackendRef]) -> list[dict[str, Any]]:
     """Gateway API: TLS from the gateway to every ``https://`` backend,
     checked against the system's CAs for the backend's own host name."""
     return [{
@@ -258,8 +258,8 @@ def backend_tls_policies(opts: Options, refs: dict[str, BackendRef]) -> list[dic
     } for r in refs.values() if r.tls]
 
 
-def _demo_engines(config: Config, opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
-    out: list[dict] = []
+def _demo_engines(config: Config, opts: Options, refs: dict[str, BackendRef]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for b in config.backends:
         r = refs[b.name]
         if not r.demo:
@@ -287,7 +287,7 @@ def _demo_engines(config: Config, opts: Options, refs: dict[str, BackendRef]) ->
     return out
 
 
-def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> list[dict]:
+def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> list[dict[str, Any]]:
     """One rule per backend: the routing header's value, exactly, to that
     backend's Service; the routing headers removed before the request goes
     upstream. The last rule (no header match) is the one a request takes
@@ -299,8 +299,8 @@ def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> lis
         parent["namespace"] = opts.gateway_namespace
     strip = {"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": [BACKEND_HEADER, RESPONSE_HEADER]}}
     timeout = config.envoy.upstream_timeout_s
-    rules: list[dict] = []
-    externals: list[dict] = []
+    rules: list[dict[str, Any]] = []
+    externals: list[dict[str, Any]] = []
     for value, cluster in backend_routes(config):
         r = refs[cluster]
         ref: dict[str, Any] = {"kind": "Service", "name": r.service, "port": r.port}
@@ -329,7 +329,7 @@ def httproute(config: Config, opts: Options, refs: dict[str, BackendRef]) -> lis
     return [route, *externals, *backend_tls_policies(opts, refs)]
 
 
-def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list[dict]]:
+def manifests(config: Config, config_text: str, opts: Options) -> dict[str, list[dict[str, Any]]]:
     """Every file's documents, by file name."""
     from .k8s_gateways import envoy_gateway, istio, istio_cluster, istio_tls
     from .k8s_monitoring import monitoring
@@ -364,5 +364,5 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-def render(docs: list[dict]) -> str:
+def render(docs: list[dict[str, Any]]) -> str:
     return "---\n".join(yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=False) for d in docs)

@@ -60,7 +60,7 @@ def raw_secret(config_text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def wire(config: Config, config_text: str, opts: Options, container: dict) -> list[dict]:
+def wire(config: Config, config_text: str, opts: Options, container: dict[str, Any]) -> list[dict[str, Any]]:
     """Put the gRPC secret (or the trust in the NetworkPolicy) into the sidecar
     container; the Secret it needs, if any."""
     var = secret_env(config, raw_secret(config_text))
@@ -76,7 +76,7 @@ def wire(config: Config, config_text: str, opts: Options, container: dict) -> li
              "stringData": {"secret": config.server.grpc_auth.secret}}]
 
 
-def with_secret(config: Config, docs: list[dict], cluster: str) -> list[dict]:
+def with_secret(config: Config, docs: list[dict[str, Any]], cluster: str) -> list[dict[str, Any]]:
     """The gateway's gRPC calls to ``cluster`` carry the secret."""
     secret = config.server.grpc_auth.secret
     if secret is not None:
@@ -84,7 +84,7 @@ def with_secret(config: Config, docs: list[dict], cluster: str) -> list[dict]:
     return docs
 
 
-def network_policy(opts: Options, selector: dict, grpc_port: int, admin_port: int, monitoring: str) -> dict:
+def network_policy(opts: Options, selector: dict[str, Any], grpc_port: int, admin_port: int, monitoring: str) -> dict[str, Any]:
     gateway_ns = opts.gateway_namespace or opts.namespace
     istio: dict[str, Any] = {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: gateway_ns}},
                              "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": opts.gateway}}}

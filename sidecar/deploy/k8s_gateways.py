@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..contract import RESPONSE_HEADER
+from ..contract import REPLY_NAMESPACE, RESPONSE_HEADER
 from ..routing.snapshot import BACKEND_HEADER
 from .envoy import (
-    REPLY_NAMESPACE,
     access_log,
     body_buffer,
     buffer_limit_bytes,
@@ -51,7 +50,7 @@ def istio_cluster(opts: Options) -> str:
     return f"outbound|{GRPC_PORT}||{opts.name}.{opts.namespace}.svc.cluster.local"
 
 
-def istio(config: Config, opts: Options, context: str = "GATEWAY") -> list[dict]:
+def istio(config: Config, opts: Options, context: str = "GATEWAY") -> list[dict[str, Any]]:
     """The EnvoyFilter for the gateway's Envoy (``context: SIDECAR_OUTBOUND``
     and a workload selector of the calling app put it into a mesh sidecar)."""
     cluster = istio_cluster(opts)
@@ -104,7 +103,7 @@ def _sidecar_ref(opts: Options, from_namespace: str) -> dict[str, Any]:
     return ref
 
 
-def envoy_gateway_ext_proc(config: Config, opts: Options) -> dict:
+def envoy_gateway_ext_proc(config: Config, opts: Options) -> dict[str, Any]:
     """The EnvoyExtensionPolicy: targets the LLM HTTPRoute only (other routes
     of the Gateway never meet the sidecar), so it lives in its namespace."""
     server = config.server
@@ -126,7 +125,7 @@ def envoy_gateway_ext_proc(config: Config, opts: Options) -> dict:
                      "extProc": [ext_proc]}}
 
 
-def envoy_proxy(opts: Options) -> dict:
+def envoy_proxy(opts: Options) -> dict[str, Any]:
     """The EnvoyProxy the Gateway names in ``infrastructure.parametersRef``:
     Envoy's gRPC access log to the sidecar (metering, SRM, traces, usage
     records, passive health), for the requests it decided, with the client's
@@ -142,10 +141,10 @@ def envoy_proxy(opts: Options) -> dict:
             ]}}}}
 
 
-def envoy_gateway(config: Config, opts: Options) -> list[dict]:
+def envoy_gateway(config: Config, opts: Options) -> list[dict[str, Any]]:
     ns = _gateway_namespace(opts)
     gateway = [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": opts.gateway}]
-    docs: list[dict] = [
+    docs: list[dict[str, Any]] = [
         envoy_gateway_ext_proc(config, opts),
         envoy_proxy(opts),
         {"apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "ClientTrafficPolicy",
@@ -164,7 +163,7 @@ def envoy_gateway(config: Config, opts: Options) -> list[dict]:
     return docs
 
 
-def istio_tls(config: Config, opts: Options) -> list[dict]:
+def istio_tls(config: Config, opts: Options) -> list[dict[str, Any]]:
     """Istio: a DestinationRule per ``https://`` backend, so the gateway
     originates TLS (SNI and certificate check on the backend's host) instead
     of speaking plaintext to port 443."""

@@ -13,7 +13,7 @@ sidecar), unchanged, so the file and the object cannot drift apart.
 from __future__ import annotations
 
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -30,7 +30,7 @@ def rules_text() -> str:
     return resources.files("sidecar").joinpath("templates", RULES_FILE).read_text(encoding="utf-8")
 
 
-def service_monitor(opts: Options) -> dict:
+def service_monitor(opts: Options) -> dict[str, Any]:
     from .k8s import _meta, _selector
 
     return {
@@ -43,7 +43,7 @@ def service_monitor(opts: Options) -> dict:
     }
 
 
-def prometheus_rule(opts: Options, rules: str | None = None) -> dict:
+def prometheus_rule(opts: Options, rules: str | None = None) -> dict[str, Any]:
     from .k8s import _meta
 
     groups = yaml.safe_load(rules if rules is not None else rules_text())["groups"]
@@ -51,6 +51,6 @@ def prometheus_rule(opts: Options, rules: str | None = None) -> dict:
             "metadata": _meta(opts.name, opts, "sidecar"), "spec": {"groups": groups}}
 
 
-def monitoring(opts: Options) -> list[dict]:
+def monitoring(opts: Options) -> list[dict[str, Any]]:
     """``monitoring.yaml``: needs prometheus-operator's CRDs, so it is a file of its own."""
     return [service_monitor(opts), prometheus_rule(opts)]

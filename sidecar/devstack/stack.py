@@ -20,19 +20,25 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import address
 from ..config import schema as config_mod
+from ..config.schema import RESERVED_BACKEND_NAME
 from ..deploy import envoy as envoyconf
 from ..serve import grpc_auth
 from ..serve.restarts import RestartPolicy, Restarts
 from ..serve.workers import port_in_use, standby_addresses
 
+if TYPE_CHECKING:
+    from testcontainers.core.container import DockerContainer
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def port_free(addr: str) -> bool:
@@ -75,7 +81,7 @@ class _Proc:
     name: str
     argv: list[str]
     log: Path
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen[bytes]
     stopped: bool = False  # stopped on purpose: not restarted by Stack.poll
 
 
@@ -132,8 +138,8 @@ class Stack:
     restart_ready_timeout: float = 30.0
     _procs: dict[str, _Proc] = field(default_factory=dict)
     _watch: dict[str, _Watch] = field(default_factory=dict)
-    _tmp: tempfile.TemporaryDirectory | None = None
-    _container: object | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _container: DockerContainer | None = None
 
     def __post_init__(self) -> None:
         self.config_path = Path(self.config_path)
@@ -144,12 +150,18 @@ class Stack:
         if self.usage_records is None:
             self.usage_records = self.workdir / "usage.jsonl"
 
+    @property
+    def _dir(self) -> Path:
+        """``workdir``, which ``__post_init__`` has always set."""
+        assert self.workdir is not None
+        return self.workdir
+
     def _make_secret(self, cfg: config_mod.Config) -> None:
         """A fresh gRPC secret for this run, unless the config names its own."""
         if cfg.server.grpc_auth.secret is not None or cfg.server.grpc_auth.secret_file is not None:
             return
         self.grpc_secret = grpc_auth.generate()
-        path = Path(self.workdir or ".") / "grpc-secret"
+        path = self._dir / "grpc-secret"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(self.grpc_secret + "\n")
@@ -224,7 +236,7 @@ class Stack:
                 listen=self.listen, admin_listen=self.envoy_admin, grpc_secret=self.grpc_secret,
                 standby=self.supervised,
             )
-            envoy_yaml = self.workdir / "envoy.yaml"
+            envoy_yaml = self._dir / "envoy.yaml"
             envoy_yaml.write_text(envoyconf.render(boot))
             # Envoy health-checks the sidecars: started after them, it finds them serving.
             for i, admin in enumerate(self.sidecar_admin):
@@ -299,7 +311,7 @@ class Stack:
     def wait_envoy_sees_sidecars(self, addresses: list[str], deadline: float, healthy: bool = True) -> None:
         """Until Envoy's health check has found every sidecar at ``addresses``
         serving (or, with ``healthy=False``, none of them serving)."""
-        want = {f"{envoyconf.RESERVED_BACKEND_NAME}::{a}::health_flags::healthy" for a in addresses}
+        want = {f"{RESERVED_BACKEND_NAME}::{a}::health_flags::healthy" for a in addresses}
         while True:
             try:
                 text = urllib.request.urlopen(f"http://{self.envoy_admin}/clusters", timeout=2).read().decode()
@@ -337,7 +349,7 @@ class Stack:
         exits too often or a restart does not become ready."""
         now = time.monotonic()
         for name, proc in list(self._procs.items()):
-            if proc.stopped or proc.popen is None:
+            if proc.stopped:
                 continue
             w = self._watch.get(name)
             if w is None:
@@ -350,7 +362,7 @@ class Stack:
             if code is not None:
                 self._exited(proc, w, code, now, say)
             elif w.ready_by is not None:
-                self._check_restarted(proc, w, now, say)
+                self._check_restarted(proc, w, w.ready_by, now, say)
 
     def stop(self) -> None:
         if self._container is not None:
@@ -368,13 +380,13 @@ class Stack:
     def __enter__(self) -> Stack:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --------------------------------------------------------------- internals
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = self.workdir / f"{name}.log"
+        log = self._dir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if name.startswith("sidecar-"):
             env.update(self.sidecar_env)
@@ -405,19 +417,21 @@ class Stack:
             # Envoy's own ports: if something else took one meanwhile, a restart
             # would only fail to bind.
             for addr in (self.listen, self.envoy_admin):
-                if _accepting(addr):
+                if addr is not None and _accepting(addr):
                     raise StackError(f"envoy exited and cannot be restarted: {addr} is now in use by another "
                                      f"process (log: {proc.log})")
         self._spawn(proc.name, proc.argv)
         w.ready_by = now + self.restart_ready_timeout
 
-    def _check_restarted(self, proc: _Proc, w: _Watch, now: float, say: Callable[[str], None]) -> None:
+    def _check_restarted(
+        self, proc: _Proc, w: _Watch, ready_by: float, now: float, say: Callable[[str], None],
+    ) -> None:
         url = self._ready_url(proc.name)
         if _answers(url):
             w.ready_by = None
             w.restarts.up(now)
             say(f"{proc.name} restarted (pid {proc.popen.pid}) and ready")
-        elif now > w.ready_by:
+        elif now > ready_by:
             raise StackError(f"{proc.name} was restarted but not ready at {url} within "
                              f"{self.restart_ready_timeout:g} s; giving up (log: {proc.log}){self._tail(proc.name)}")
 
@@ -437,7 +451,7 @@ class Stack:
     def _stop(self, proc: _Proc, sig: int = signal.SIGTERM) -> None:
         proc.stopped = True
         p = proc.popen
-        if p is None or p.poll() is not None:
+        if p.poll() is not None:
             return
         try:
             p.send_signal(sig)
@@ -452,7 +466,7 @@ class Stack:
         if name not in self._procs:
             return
         p = self._procs[name].popen
-        if p is not None and p.poll() is not None:
+        if p.poll() is not None:
             tail = self.log(name)[-4000:]
             raise StackError(f"{name} exited with code {p.returncode} during start:\n{tail}")
 
@@ -485,7 +499,7 @@ def wait_http(url: str, deadline: float, alive: Callable[[], None] | None = None
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=0.5) as r:
-            return r.status == 200
+            return bool(r.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 

@@ -47,7 +47,7 @@ def check_model_name(model: Any) -> str:
     return model
 
 
-def parse_json(body: bytes) -> dict:
+def parse_json(body: bytes) -> dict[str, Any]:
     if not body.strip():
         raise BodyError("invalid_json", "The request body is empty; a JSON object is required.", param=None)
     try:
@@ -98,7 +98,7 @@ _KEY_ESCAPE = re.compile(rb"\\u00(?:3[0-9]|[4-7][0-9a-fA-F])")
 _BIG_INTEGER = re.compile(rb"[0-9]{19}")
 
 
-def _literal_spans(body: bytes, values: dict[str, object], parsed: dict) -> dict[str, list[tuple[int, int]]] | None:
+def _literal_spans(body: bytes, values: dict[str, object], parsed: dict[str, Any]) -> dict[str, list[tuple[int, int]]] | None:
     """Where the present keys' values are, found with native searches only: a
     lone literal ``"key"`` in a body where no escape spells a key's characters
     can only be the top-level key, and a short value ends within a few
@@ -128,7 +128,7 @@ def _literal_spans(body: bytes, values: dict[str, object], parsed: dict) -> dict
     return spans
 
 
-def set_top_level(body: bytes, values: dict[str, object], parsed: dict | None = None) -> bytes:
+def set_top_level(body: bytes, values: dict[str, object], parsed: dict[str, Any] | None = None) -> bytes:
     """Set top-level keys of a JSON object body.
 
     Usually every other byte stays as it was: existing keys get the new value

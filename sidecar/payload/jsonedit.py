@@ -11,7 +11,7 @@ bytes ``[start, end)`` give way to ``replacement``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import orjson
 
@@ -71,6 +71,13 @@ USAGE_KEY = b'"usage"'
 # event or body is then released unchanged.
 SCAN_ERRORS = (ValueError, IndexError, TypeError)
 
+# A replacement of ``data[start:end]`` by the bytes given.
+Edit = tuple[int, int, bytes]
+# ``(key start, key end, value start, value end)`` of an object member.
+Member = tuple[int, int, int, int]
+# ``(data offset, content offset, length)`` of one SSE data line's value.
+Segment = tuple[int, int, int]
+
 
 def _skip_ws(data: bytes, pos: int) -> int:
     while data[pos] in WS:
@@ -78,10 +85,10 @@ def _skip_ws(data: bytes, pos: int) -> int:
     return pos
 
 
-def _members(data: bytes, pos: int) -> list[tuple[int, int, int, int]]:
+def _members(data: bytes, pos: int) -> list[Member]:
     """``(key start, key end, value start, value end)`` of every member of the
     object that opens at ``data[pos]``, in order."""
-    out = []
+    out: list[Member] = []
     pos += 1
     while True:
         c = data[pos]
@@ -113,7 +120,7 @@ def _past_comma(data: bytes, pos: int) -> int:
     return pos
 
 
-def _cut_lone_member(data: bytes, start: int, end: int) -> tuple[int, int, bytes]:
+def _cut_lone_member(data: bytes, start: int, end: int) -> Edit:
     """The edit that removes the member spanning ``[start, end)`` and one comma
     next to it: the one after it, or else (the last member) the one before it,
     from the end of the previous value."""
@@ -130,7 +137,7 @@ def _cut_lone_member(data: bytes, start: int, end: int) -> tuple[int, int, bytes
     return start, end, b""
 
 
-def _cut_members(data: bytes, members: list[tuple[int, int, int, int]], cut: list[int]) -> list[tuple[int, int, bytes]]:
+def _cut_members(data: bytes, members: list[Member], cut: list[int]) -> list[Edit]:
     """Edits that remove the members at the (ascending) indexes ``cut``: each run
     of neighbours goes with the comma after it, or, at the end of the object,
     from the end of the last kept value."""
@@ -153,7 +160,7 @@ def _cut_members(data: bytes, members: list[tuple[int, int, int, int]], cut: lis
 
 def object_edits(
     data: bytes, value: bytes | None, top: bool, parent: bytes | None, cut_usage: bool
-) -> list[tuple[int, int, bytes]]:
+) -> list[Edit]:
     """The edits to the JSON object ``data``, in order.
 
     ``value`` (encoded JSON) replaces every string ``model`` at the top level
@@ -168,7 +175,7 @@ def object_edits(
     """
     b = data.find(b"\\")
     if not (top and parent) and (b < 0 or _LETTER_ESCAPE.search(data, b) is None):
-        edits = []
+        edits: list[Edit] | None = []
         if value is not None:
             i = data.find(MODEL_KEY)
             if i < 0 or data.find(MODEL_KEY, i + 7) >= 0:
@@ -178,7 +185,7 @@ def object_edits(
                 end = data.find(b'"', start + 1) + 1
                 if data[end - 2] == 0x5C:  # the quote is escaped: scan the string
                     end = string_end(data, start)
-                edits.append((start, end, value))
+                edits = [(start, end, value)]
         if cut_usage and edits is not None:
             i = data.find(USAGE_KEY)
             if i < 0 or data.find(USAGE_KEY, i + 7) >= 0:
@@ -195,7 +202,7 @@ def object_edits(
 
     members = _members(data, data.index(b"{"))
     edits = []
-    cut = []
+    cut_at: list[int] = []
     for i, (ks, ke, vs, ve) in enumerate(members):
         if value is not None:
             if top and data[vs] == 0x22 and _is_key(data, ks, ke, MODEL_KEY):
@@ -205,16 +212,16 @@ def object_edits(
                     if data[vs2] == 0x22 and _is_key(data, ks2, ke2, MODEL_KEY):
                         edits.append((vs2, ve2, value))
         if cut_usage and _is_key(data, ks, ke, USAGE_KEY):
-            cut.append(i)
-    if cut:
-        edits += _cut_members(data, members, cut)
+            cut_at.append(i)
+    if cut_at:
+        edits += _cut_members(data, members, cut_at)
     edits.sort()
     return edits
 
 
 def id_edits(
     data: bytes, keys: tuple[bytes, ...], parent: bytes | None, tag: Callable[[str], str],
-) -> list[tuple[int, int, bytes]]:
+) -> list[Edit]:
     """Edits that replace every string value of the key literals ``keys`` by
     ``tag(value)`` (values holding an escape are left alone): at the top level
     of the object ``data``, or inside its top-level object named by the key
@@ -230,12 +237,12 @@ def id_edits(
     ]
 
 
-def splice(data: bytes, edits, base: int = 0) -> bytes:
+def splice(data: bytes, edits: Sequence[Edit], base: int = 0) -> bytes:
     """``data`` with ``edits`` applied; their positions are relative to ``base``."""
     if len(edits) == 1:
         start, end, rep = edits[0]
         return data[: base + start] + rep + data[base + end :]
-    out = []
+    out: list[bytes] = []
     last = 0
     for start, end, rep in edits:
         out.append(data[last : base + start])
@@ -245,7 +252,7 @@ def splice(data: bytes, edits, base: int = 0) -> bytes:
     return b"".join(out)
 
 
-def splice_lines(content: bytes, segments, edits) -> bytes:
+def splice_lines(content: bytes, segments: Sequence[Segment], edits: Iterable[Edit]) -> bytes:
     """Apply ``edits`` made to an event's joined data to the event itself.
 
     ``segments`` holds ``(data offset, content offset, length)`` of each data
@@ -254,7 +261,7 @@ def splice_lines(content: bytes, segments, edits) -> bytes:
     replacement (a JSON string, which never holds a raw newline) lies within
     one line.
     """
-    out = []
+    out: list[bytes] = []
     last = 0
     k = 0
     for start, end, rep in edits:

@@ -32,13 +32,23 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .jsonedit import MODEL_KEY, SCAN_ERRORS, USAGE_KEY, id_edits, object_edits, splice, splice_lines
+from .jsonedit import (
+    MODEL_KEY,
+    SCAN_ERRORS,
+    USAGE_KEY,
+    Edit,
+    Segment,
+    id_edits,
+    object_edits,
+    splice,
+    splice_lines,
+)
 
 __all__ = [
     "MAX_JSON_REWRITE",
@@ -97,7 +107,7 @@ def _count(value: object) -> int:
     return value if type(value) is int and value >= 0 else 0
 
 
-def _read_openai_usage(u: dict, usage: Usage) -> None:
+def _read_openai_usage(u: dict[str, Any], usage: Usage) -> None:
     """Store an OpenAI usage object (Chat Completions or Responses API keys)."""
     if "prompt_tokens" in u or "completion_tokens" in u:
         usage.prompt_tokens = _count(u.get("prompt_tokens"))
@@ -108,7 +118,7 @@ def _read_openai_usage(u: dict, usage: Usage) -> None:
     usage.seen = True
 
 
-def _read_anthropic_usage(u: dict, usage: Usage) -> None:
+def _read_anthropic_usage(u: dict[str, Any], usage: Usage) -> None:
     """Store an Anthropic usage object (``input_tokens``/``output_tokens``)."""
     usage.prompt_tokens = _count(u.get("input_tokens"))
     usage.completion_tokens = _count(u.get("output_tokens"))
@@ -291,9 +301,9 @@ class SSERewriter:
         self._mode = _LF_ONLY
         self._cr_tail = False
         self._value = b""
-        self._value_of = None
+        self._value_of: str | None = None  # the model ``_value`` encodes
         self._held: bytes | None = None  # a finishing chunk held back, without its blank line
-        self._extras: dict | None = None  # the engine's own members of the usage chunk just dropped
+        self._extras: dict[str, Any] | None = None  # the engine's own members of the usage chunk just dropped
         self._finishing = False  # the event just read ends a choice
 
     @property
@@ -326,7 +336,7 @@ class SSERewriter:
                 lone -= 1
             self._cr_tail = tail
             mode = self._mode = _LONE_CR if lone else _CRLF
-        out = []
+        out: list[bytes | bytearray] = []
         if self._lf_pending:
             # The previous event ended in "\r" at a chunk boundary; a "\n"
             # here completes that same line terminator.
@@ -337,6 +347,7 @@ class SSERewriter:
                 chunk = chunk[1:]
                 if not chunk:
                     return b"".join(out)
+        data: bytes | bytearray
         if self._passthrough:
             data = self._prev + chunk
             m = _BLANK_LINE.search(data)
@@ -398,7 +409,7 @@ class SSERewriter:
                 pos = self._blank_end(data, b, True)
                 continue
             content = data[pos:b]
-            if data is buf:
+            if type(content) is not bytes:  # a slice of the buffer
                 content = bytes(content)
             result = self._event(content)
             end = self._blank_end(data, b, result is not None)
@@ -463,7 +474,7 @@ class SSERewriter:
         held, self._held, self._extras = self._held, None, None
         return b"" if held is None else held + _terminator(held)
 
-    def _blank_end(self, data, b: int, emit: bool) -> int:
+    def _blank_end(self, data: bytes | bytearray, b: int, emit: bool) -> int:
         """Return the end of the blank line starting at ``b``.
 
         A ``"\\r"`` that is the last available byte may be the first half of
@@ -491,15 +502,16 @@ class SSERewriter:
             data = content[base : -2 if content[-2] == 13 else -1]
         else:
             base = 0
-            segments, data = self._split(content)
-            if segments is None:
+            split = self._split(content)
+            if split is None:
                 return content
+            segments, data = split
 
         if self.strip_injected_usage:
             return self._settle(content, self._edit(content, segments, data, base))
         return self._edit(content, segments, data, base)
 
-    def _edit(self, content: bytes, segments, data, base: int) -> bytes | None:
+    def _edit(self, content: bytes, segments: list[Segment] | None, data: bytes, base: int) -> bytes | None:
         """One event's edits: ``content``, the edited event, or None to drop it."""
         if self._openai:
             if (
@@ -545,12 +557,12 @@ class SSERewriter:
         return held + _terminator(held) + result
 
     @staticmethod
-    def _split(content: bytes):
+    def _split(content: bytes) -> tuple[list[Segment], bytes] | None:
         """Find an event's data lines and join their values.
 
         Returns ``(segments, data)``: ``(data offset, content offset, length)``
         of each data line's value, and the values joined with ``"\\n"``; or
-        ``(None, None)`` when the event has no data field.
+        None when the event has no data field.
         """
         values = []
         segments = []
@@ -577,10 +589,10 @@ class SSERewriter:
             segments.append((off, start + vs, ll - vs))
             off += ll - vs + 1
         if not segments:
-            return None, None
+            return None
         return segments, (values[0] if len(values) == 1 else b"\n".join(values))
 
-    def _openai_edits(self, obj: dict, data: bytes):
+    def _openai_edits(self, obj: dict[str, Any], data: bytes) -> list[Edit] | None:
         """Apply OpenAI rules to a parsed chunk: read its usage and return the
         edits to its data (empty: unchanged), or ``None`` to drop it."""
         cut_usage = False
@@ -606,7 +618,7 @@ class SSERewriter:
             current = obj.get("model")
             top = type(current) is str and current != model
         resp = obj.get("response")
-        tag = None
+        tag: list[Edit] | None = None
         if type(resp) is dict:
             kind = obj.get("type")
             if type(kind) is str and kind.startswith("response."):
@@ -632,7 +644,7 @@ class SSERewriter:
         self._value_of = self.model
         return self._value
 
-    def _anthropic_edits(self, obj: dict, data: bytes):
+    def _anthropic_edits(self, obj: dict[str, Any], data: bytes) -> Sequence[Edit]:
         """Apply Anthropic rules to a parsed event: read its usage and return
         the edits to its data (empty: unchanged)."""
         kind = obj.get("type")
@@ -663,7 +675,7 @@ def _terminator(event: bytes) -> bytes:
     return event[-1:] if event[-1:] in (b"\n", b"\r") else b"\n"
 
 
-def _with_members(event: bytes, members: dict) -> bytes:
+def _with_members(event: bytes, members: dict[str, Any]) -> bytes:
     """A one-line ``data: {...}`` event with ``members`` added to its object (other shapes unchanged)."""
     end = event.rfind(b"}")
     if not event.startswith(b"data:") or end < 0 or event.count(b"\n", 0, len(event) - 1) or b"\r" in event[:-2]:

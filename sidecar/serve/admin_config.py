@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -21,6 +22,11 @@ if TYPE_CHECKING:
     from .server import Runtime
 
 log = logging.getLogger("model_router.admin")
+
+# An admin view that needs the runtime, and what wraps it into an aiohttp
+# handler behind the admin token.
+AdminView = Callable[["Runtime", web.Request], Awaitable[web.Response]]
+Guard = Callable[[AdminView], Callable[[web.Request], Awaitable[web.Response]]]
 
 
 class Rejected(Exception):
@@ -117,7 +123,7 @@ async def get_config(runtime: Runtime, _request: web.Request) -> web.Response:
     return web.Response(text=body, content_type="application/yaml")
 
 
-def pause_view(paused: bool):
+def pause_view(paused: bool) -> AdminView:
     """``POST /admin/experiments/{experiment}/variants/{variant}/pause`` (or ``/resume``)."""
 
     async def view(runtime: Runtime, request: web.Request) -> web.Response:
@@ -141,7 +147,7 @@ def pause_view(paused: bool):
     return view
 
 
-def add_routes(app: web.Application, guarded) -> None:
+def add_routes(app: web.Application, guarded: Guard) -> None:
     app.router.add_get("/admin/config", guarded(get_config))
     app.router.add_put("/admin/config", guarded(put_config))
     base = "/admin/experiments/{experiment}/variants/{variant}"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,14 +135,17 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(_deny, **codec)
 
 
-class Interceptor(grpc.aio.ServerInterceptor):
+class Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no type information
     """Applies :class:`Gate` to every call; ``refused(service)`` counts a refusal."""
 
     def __init__(self, gate: Gate, refused: Callable[[str], None]) -> None:
         self.gate = gate
         self.refused = refused
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None  # an unknown method: gRPC answers UNIMPLEMENTED
@@ -186,7 +189,7 @@ def with_secret(doc: Any, cluster: str, secret: str) -> None:
             with_secret(value, cluster, secret)
 
 
-def upstream_tls(tls: GrpcTls) -> dict:
+def upstream_tls(tls: GrpcTls) -> dict[str, Any]:
     """The transport socket of Envoy's sidecar cluster: Envoy's client
     certificate, and the CA (and name) it expects of the sidecar."""
     validation: dict[str, Any] = {"trusted_ca": {"filename": tls.ca_file or tls.client_ca_file}}

@@ -42,7 +42,7 @@ class Restarts:
         if len(self.deaths) >= limit:
             return None
         first, cap = self.policy.backoff
-        delay = min(first * 2 ** self.failures, cap)
+        delay = min(first * 2.0 ** self.failures, cap)
         self.failures += 1
         return delay
 

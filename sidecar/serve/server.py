@@ -10,8 +10,9 @@ import signal
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -29,10 +30,12 @@ from ..accounting.logs import DecisionLog, announce, fatal
 from ..accounting.logs import setup as setup_logging
 from ..accounting.metering import AccessLogService, JsonLinesSink, Meter
 from ..accounting.tracing import Tracer
+from ..backends.monitor import Monitor
 from ..backends.state import BackendState
 from ..config import address
 from ..config import guard as config_guard
 from ..config import schema as config_mod
+from ..config.schema import GrpcAuth
 from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S
 from ..experiments import diff as experiments_diff
 from ..experiments import feedback, srm
@@ -42,6 +45,7 @@ from ..payload import response_ids
 from ..routing import admin_token, explain, listing, snapshot
 from ..stores import cache
 from . import admin_config, grpc_auth, workers
+from .admin_config import AdminView, Guard
 
 log = logging.getLogger("model_router.server")
 
@@ -79,8 +83,8 @@ class Runtime:
         self.snapshot = snapshot.build(loaded.config, self.url_overrides, id_key=self.id_key)
         self._stamp = self._file_stamp()
         self.ready = False
-        self.monitor = None
-        self._http = None
+        self.monitor: Monitor | None = None
+        self._http: aiohttp.ClientSession | None = None
         self.usage_records = usage_records  # overrides metering.usage_records
         self._sink: JsonLinesSink | None = None
         bound = loaded.config.server.max_requests_per_worker if recycle_bound is None else recycle_bound
@@ -153,7 +157,7 @@ class Runtime:
         if self.monitor is not None:
             self.monitor.report_response(backend, status)
 
-    def _file_stamp(self):
+    def _file_stamp(self) -> tuple[int, int, int] | None:
         try:
             st = self.path.stat()
             return (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -210,41 +214,44 @@ def _admin_app(runtime: Runtime) -> web.Application:
         # Header bytes that are not UTF-8 arrive as surrogate escapes; compare raw bytes.
         return admin_token.matches(runtime.snapshot.config.server.admin_token, given.encode("utf-8", "surrogateescape"))
 
-    async def healthz(_request):
+    async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def readyz(_request):
+    async def readyz(_request: web.Request) -> web.Response:
         if runtime.ready:
             return web.json_response({"status": "ready"})
         return web.json_response({"status": "starting"}, status=503)
 
-    async def metrics_view(_request):
+    async def metrics_view(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.REGISTRY), headers={"content-type": CONTENT_TYPE_LATEST})
 
-    async def reload_view(request):
+    async def reload_view(request: web.Request) -> web.Response:
         if not authorized(request):
             return web.json_response({"error": "admin token required"}, status=401)
         ok = await asyncio.to_thread(runtime.reload)
         return web.json_response({"reloaded": ok}, status=200 if ok else 422)
 
-    async def models_view(request):
+    async def models_view(request: web.Request) -> web.Response:
         if not authorized(request):
             return web.json_response({"error": "admin token required"}, status=401)
         return web.json_response(listing.admin_view(runtime.snapshot))
 
-    async def backends_view(request):
+    async def backends_view(request: web.Request) -> web.Response:
         if not authorized(request):
             return web.json_response({"error": "admin token required"}, status=401)
+        monitor = runtime.monitor
+        if monitor is None:  # before the monitor starts no backend has a state
+            return web.json_response({"backends": {}})
         now = time.monotonic()
         out = {}
-        for name, st in runtime.backend_states().items():
-            tps, waiting, running = runtime.monitor.load(st, now)
+        for name, st in monitor.states.items():
+            tps, waiting, running = monitor.load(st, now)
             info = runtime.snapshot.backends.get(name)
             check = info.config.health_check if info is not None else None
             out[name] = {
                 "healthy": st.healthy, "held_out_s": max(0.0, st.held_out_until - now),
                 "health_check": check.kind if check is not None else None, "probe_failures": st.probe_failures,
-                "admissible": runtime.monitor.admissible(st, now),
+                "admissible": monitor.admissible(st, now),
                 "engine": st.engine, "metrics": st.metrics,
                 "throughput_tps": tps, "waiting": waiting, "running": running,
                 "scrape_age_s": None if st.scraped_at is None else now - st.scraped_at,
@@ -252,7 +259,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
             }
         return web.json_response({"backends": out})
 
-    def guarded(handler):
+    def guarded(handler: AdminView) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def view(request: web.Request) -> web.Response:
             if not authorized(request):
                 return web.json_response({"error": "admin token required"}, status=401)
@@ -275,7 +282,7 @@ def _admin_app(runtime: Runtime) -> web.Application:
     return app
 
 
-def _add_experiment_routes(app: web.Application, guarded) -> None:
+def _add_experiment_routes(app: web.Application, guarded: Guard) -> None:
     from ..experiments import admin
 
     admin.add_routes(app, guarded)
@@ -285,11 +292,11 @@ async def _memory(_runtime: Runtime, _request: web.Request) -> web.Response:
     return web.json_response(memory_report())
 
 
-def memory_report() -> dict:
+def memory_report() -> dict[str, Any]:
     """What the process holds, for chasing growth: RSS, Python's allocated
     blocks and tracked objects, and tracemalloc's figures when it runs
     (``PYTHONTRACEMALLOC=1`` in the sidecar's environment)."""
-    out: dict = {"allocated_blocks": sys.getallocatedblocks(), "gc_objects": len(gc.get_objects())}
+    out: dict[str, Any] = {"allocated_blocks": sys.getallocatedblocks(), "gc_objects": len(gc.get_objects())}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -319,12 +326,13 @@ async def _dry_run(runtime: Runtime, request: web.Request) -> web.Response:
         return web.json_response({"error": "the body must be the config's YAML text, in UTF-8"}, status=400)
     current = runtime.snapshot.config
 
-    def preview() -> dict:
+    def preview() -> dict[str, Any]:
         # Off the event loop: parsing and validating a large config never stalls requests.
         loaded = runtime.candidate(text)
         found = experiments_diff.diff(current, loaded.config, time.time())
-        return config_guard.redact({"dry_run": True, "warnings": loaded.warnings, **found.to_dict()},
-                                   loaded.substituted)
+        redacted: dict[str, Any] = config_guard.redact(
+            {"dry_run": True, "warnings": loaded.warnings, **found.to_dict()}, loaded.substituted)
+        return redacted
 
     try:
         answer = await asyncio.to_thread(preview)
@@ -355,14 +363,14 @@ class _SinkOf:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
 
-    def write(self, records: list[dict]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> None:
         sink = self.runtime.usage_sink()
         if sink is not None:
             sink.write(records)
 
 
 def _grpc_gate(
-    auth, secret_file: str | None, listen: str, trust_network: bool,
+    auth: GrpcAuth, secret_file: str | None, listen: str, trust_network: bool,
 ) -> tuple[grpc_auth.Gate, grpc.ServerCredentials | None]:
     """Who may call the gRPC port (sidecar.serve.grpc_auth); an unauthenticated port
     listens on loopback only, unless told a NetworkPolicy guards it."""
@@ -449,12 +457,10 @@ async def serve_async(
     except OSError as exc:
         await server.stop(grace=0)
         fatal(f"cannot listen for the admin port on {admin_listen}: {exc.strerror}")
-    from ..backends.monitor import Monitor
-
     for reason, n in workers.restarts_so_far().items():
         metrics.WORKER_RESTARTS.labels(reason).set(n)
-    runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
-    await runtime.monitor.start()
+    monitor = runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
+    await monitor.start()
     runtime.budgets.start(time.time)
     runtime.ready = True
     await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -519,13 +525,13 @@ async def serve_async(
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await tracer.close()
     processor.json_budget.close()
-    await runtime.monitor.stop()
+    await monitor.stop()
     await runtime.budgets.stop(time.time())
     await runtime.close()
     await runner.cleanup()
 
 
-async def _drain(server, processor: Processor, access_log: AccessLogService, grace: float, flush_s: float) -> None:
+async def _drain(server: grpc.aio.Server, processor: Processor, access_log: AccessLogService, grace: float, flush_s: float) -> None:
     """Stop taking streams (GOAWAY: Envoy opens new ones elsewhere), let the
     ext_proc streams in flight finish, then end the access-log streams once
     Envoy has had time to flush the entries of those requests."""
@@ -537,7 +543,7 @@ async def _drain(server, processor: Processor, access_log: AccessLogService, gra
     await stopping
 
 
-def serve(config_path: str, log_format: str | None = None, **kwargs) -> None:
+def serve(config_path: str, log_format: str | None = None, **kwargs: Any) -> None:
     setup_logging(log_format)
     try:
         import uvloop

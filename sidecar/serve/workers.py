@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 
 from ..config import address
 from .restarts import RestartPolicy, Restarts
@@ -97,7 +98,7 @@ def port_in_use(addr: str) -> bool:
 
 @dataclass
 class _Child:
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     fd: int
     standby: bool  # on the slot's second gRPC port
     buffer: bytes = b""
@@ -146,7 +147,7 @@ class Supervisor:
 
     # --------------------------------------------------------------- internals
 
-    def _on_signal(self, signum, _frame) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = True
 
     def _spawn(self, slot: _Slot, standby: bool) -> _Child:

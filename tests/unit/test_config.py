@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sidecar.commands.main import template_text
+from sidecar.commands.generate import template_text
 from sidecar.config.schema import ConfigError, parse
 
 BASE = """

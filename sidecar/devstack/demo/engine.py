@@ -66,6 +66,7 @@ from typing import Any
 
 import orjson
 from aiohttp import BodyPartReader, WSMsgType, web
+from aiohttp.typedefs import Handler
 
 from . import shapes as demo_shapes
 
@@ -146,7 +147,7 @@ class _State:
     health_fail_next: int = 0
     health_checks: int = 0
     metrics_scrapes: int = 0
-    seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+    seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
 
 @dataclass
@@ -265,7 +266,7 @@ def _split_points(frame: bytes) -> list[int]:
 class _Engine:
     """Request handlers and state of one demo engine."""
 
-    def __init__(self, name: str, models: list[str], prices: dict | None) -> None:
+    def __init__(self, name: str, models: list[str], prices: dict[str, Any] | None) -> None:
         self.name = name
         self.models = list(models)
         self.prices = dict(prices or {})
@@ -373,7 +374,7 @@ class _Engine:
         return hooks
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if not (request.path.startswith("/v1/") or request.path == "/embed_sparse"):
             return await handler(request)
         try:
@@ -390,7 +391,7 @@ class _Engine:
             response.headers["x-demo-engine"] = self.name
         return response
 
-    async def serve_api(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def serve_api(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if not self.state.healthy:
             return self.error_for(request, 503, f"demo engine {self.name} is unhealthy")
         raw_status = request.headers.get("x-demo-status")
@@ -675,7 +676,7 @@ class _Engine:
         events.append((None, b"[DONE]"))
         return await self.stream(request, events)
 
-    def scripted_tools(self, body: dict[str, Any], words: list[str]):
+    def scripted_tools(self, body: dict[str, Any], words: list[str]) -> tuple[dict[str, Any], str, list[str]] | None:
         """Tool use, scripted by markers in the first user message.
 
         ``[search:N]`` makes the engine call an offered ``web_search`` tool
@@ -684,7 +685,8 @@ class _Engine:
         tool that is not ``web_search``. Returns (message, finish_reason,
         reply words) or None when no tool is involved.
         """
-        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        given = body.get("messages")
+        messages: list[Any] = given if isinstance(given, list) else []
         tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
         names = [(t.get("function") or {}).get("name") for t in tools]
         first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), {})
@@ -895,7 +897,7 @@ class _Engine:
                     "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
                 }
             )
-        start_message = {
+        start_message: dict[str, Any] = {
             "id": message_id,
             "type": "message",
             "role": "assistant",
@@ -949,7 +951,7 @@ class _Engine:
 ENGINE_KEY: web.AppKey[_Engine] = web.AppKey("demo_engine", _Engine)
 
 
-def build_app(*, name: str, models: list[str], prices: dict | None = None) -> web.Application:
+def build_app(*, name: str, models: list[str], prices: dict[str, Any] | None = None) -> web.Application:
     """Build the demo engine application.
 
     ``name`` appears in every reply and in ``owned_by``; ``models`` lists the
