@@ -25,9 +25,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
 
-from ..experiments.diff import CallerSource, Diff, ExperimentDiff, KeyList, SeenKeys, diff
+from ..experiments.diff import Diff, ExperimentDiff, KeyList, SeenKeys, diff
 from .assign import parse_time
 from .common import load_config
 
@@ -155,9 +154,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # CallerSource declares ``source`` as a plain (settable) attribute; these frozen
-    # dataclasses hold it read-only, which is all diff() does with it.
-    d = diff(old.config, new.config, at, cast(CallerSource | None, source))
+    d = diff(old.config, new.config, at, source)
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False, indent=2))
     else:

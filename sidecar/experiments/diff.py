@@ -30,7 +30,10 @@ Callers = list[tuple[str, str]]  # (label shown for the caller, its sticky value
 
 
 class CallerSource(Protocol):
-    source: str
+    @property
+    def source(self) -> str:
+        """Where the callers come from, as the report names it."""
+        ...
 
     def callers(self, exp: Experiment) -> Callers | str:
         """The callers to recompute for ``exp`` (in the old config), or why there are none."""
