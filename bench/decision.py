@@ -30,7 +30,7 @@ from sidecar.handlers.extproc import Processor
 from sidecar.payload.rewrite import SSERewriter, rewrite_json_body
 from sidecar.routing import Request, authenticate, decide, snapshot
 from sidecar.routing.ingress import lookup
-from sidecar.serve.server import Runtime
+from sidecar.serve.runtime import Runtime
 
 CONFIG = """
 backends:

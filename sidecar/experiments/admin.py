@@ -18,7 +18,7 @@ from . import records
 
 
 class Runtime(Protocol):
-    """What the report needs of the serving process's runtime (``sidecar.serve.server.Runtime``)."""
+    """What the report needs of the serving process's runtime (``sidecar.serve.runtime.Runtime``)."""
 
     usage_records: str | None
     snapshot: Any

@@ -1,6 +1,6 @@
 """What the handlers read from the serving process, as a protocol.
 
-``serve.server.Runtime`` provides it; a unit test can hand the handlers any
+``serve.runtime.Runtime`` provides it; a unit test can hand the handlers any
 object with these members and drive them without a server.
 """
 

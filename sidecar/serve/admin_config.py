@@ -19,7 +19,7 @@ from ..config import edit as config_edit
 from ..config import schema as config_mod
 
 if TYPE_CHECKING:
-    from .server import Runtime
+    from .runtime import Runtime
 
 log = logging.getLogger("model_router.admin")
 

@@ -23,7 +23,7 @@ from sidecar import metrics
 from sidecar.config.schema import parse
 from sidecar.deploy import k8s, k8s_monitoring
 from sidecar.experiments import srm
-from sidecar.serve import server
+from sidecar.serve.runtime import prime_metrics
 from tests.support.servers import PrometheusServer
 
 from ..conftest import metered
@@ -64,7 +64,7 @@ def recorded() -> set[str]:
 def exported() -> set[str]:
     """Every sample name the sidecar's /metrics shows once a config with every feature has loaded."""
     cfg = parse(ALL_FEATURES, env={}).config
-    server.prime_metrics(cfg)
+    prime_metrics(cfg)
     names = {s.name for f in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode())
              for s in f.samples}
     names |= {f.name for f in srm.SrmCollector(srm.Tracker(lambda: cfg)).collect()}

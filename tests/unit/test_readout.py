@@ -194,9 +194,9 @@ def test_the_registry_source_reads_this_process_counters(cfg):
     import asyncio
 
     from sidecar.experiments.feedback import Feedback
-    from sidecar.serve import server
+    from sidecar.serve.runtime import prime_metrics
 
-    server.prime_metrics(cfg)
+    prime_metrics(cfg)
     e = cfg.model_experiments[0]
     before, _ = samples.arms_of(cfg, e, samples.registry_samples())
     fb = Feedback()
