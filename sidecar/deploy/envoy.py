@@ -505,15 +505,37 @@ def bootstrap(
     its replacement; ``standby=False`` leaves them out, for sidecars run
     without the supervisor (``serve --no-supervisor``).
     """
-    urls = dict(backend_urls or {})
     server = config.server
     sidecars = list(sidecar_addresses or [server.grpc_listen])
     endpoints = sidecars + (workers.standby_addresses(sidecars) if standby and server.max_requests_per_worker else [])
     buffer_limit = buffer_limit_bytes(server)
-    timeout_s = config.envoy.upstream_timeout_s
-    fail_open = server.failure_mode == "open"
+    boot = {
+        "admin": {"address": _addr(admin_listen or config.envoy.admin_listen)},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": config.envoy.max_connections,
+            },
+        }]},
+        "static_resources": {
+            "listeners": [_listener(listen or config.envoy.listen, buffer_limit, _connection_manager(config))],
+            "clusters": [
+                _sidecar_cluster(config, sidecars, endpoints),
+                *_backend_clusters(config, dict(backend_urls or {})),
+            ],
+        },
+    }
+    secret = grpc_secret if grpc_secret is not None else grpc_auth.secret_of(server.grpc_auth)
+    if secret is not None:
+        grpc_auth.with_secret(boot, RESERVED_BACKEND_NAME, secret)
+    return boot
 
-    filters = [
+
+def _http_filters(config: Config) -> list[dict[str, Any]]:
+    """The listener's HTTP filter chain, in the order a request meets it."""
+    server = config.server
+    return [
         body_buffer(config),  # first: the sidecar sees a request only once it is whole
         not_on_header_overflow(decision_filter(config)),
         # Request rates, on the descriptor the decision names (none: no filter).
@@ -526,11 +548,18 @@ def bootstrap(
             "name": "envoy.filters.http.router",
             "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.router.v3.Router",
-                "upstream_http_filters": _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
+                "upstream_http_filters": _upstream_filters(
+                    server.message_timeout_ms, buffer_limit_bytes(server), server.failure_mode == "open"),
             },
         },
     ]
-    hcm = {
+
+
+def _connection_manager(config: Config) -> dict[str, Any]:
+    """The public listener's HTTP connection manager: path normalisation, the
+    header guard, client timeouts, the route table and the access log."""
+    filters = _http_filters(config)
+    return {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "model_router",
         "codec_type": "AUTO",
@@ -555,115 +584,115 @@ def bootstrap(
         # How long a client may take to send its request (408 past it).
         "request_headers_timeout": f"{config.envoy.request_headers_timeout_s}s",
         "request_timeout": f"{config.envoy.request_timeout_s}s",
-        "route_config": {
-            "name": "model_router",
-            "request_headers_to_remove": [
-                BACKEND_HEADER, RESPONSE_HEADER, SHADOW_HEADER, *CLIENT_ROUTER_HEADERS,
-                *envoy_limits.INTERNAL_REQUEST_HEADERS,
-            ],
-            # An upstream cannot forge the router's attribution; the router's own
-            # comes from the decision's metadata (applied after the removal).
-            "response_headers_to_remove": [*ATTRIBUTION_HEADERS, *envoy_limits.response_headers_to_remove(config)],
-            "response_headers_to_add": _attribution_headers() + envoy_limits.response_headers_to_add(),
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    # The fallback filter reads which attempt it sees.
-                    **({"include_request_attempt_count": True} if config.fallback_chains and config.fallback_attempts else {}),
-                    "routes": envoy_shadow.routes(config, _with_fallback(config, _routes(
-                        timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config),
-                        backend_routes(config) if config.envoy.routing == "header_match" else None,
-                    ))),
-                }
-            ],
-        },
+        "route_config": _route_config(config),
         "http_filters": filters,
         "access_log": [access_log(config.metering.flush_interval_ms)],
-        "local_reply_config": envoy_replies.local_reply_config(server.max_body_bytes),
+        "local_reply_config": envoy_replies.local_reply_config(config.server.max_body_bytes),
     }
-    clusters = [
-        {
-            "name": RESERVED_BACKEND_NAME,
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "lb_policy": "ROUND_ROBIN",
-            "per_connection_buffer_limit_bytes": buffer_limit,
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {
-                        "http2_protocol_options": {
-                            "initial_stream_window_size": 16 * 1024 * 1024,
-                            "initial_connection_window_size": 64 * 1024 * 1024,
-                        }
-                    },
-                }
-            },
-            "load_assignment": {
-                "cluster_name": RESERVED_BACKEND_NAME,
-                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(a)}} for a in endpoints]}],
-            },
-            **_sidecar_guards(server, len(sidecars)),
-        }
-    ]
-    if not all(_is_ip(address.host_of(a)) for a in sidecars):
-        clusters[0]["type"] = "STRICT_DNS"
+
+
+def _route_config(config: Config) -> dict[str, Any]:
+    """One virtual host: the routes (shadow copies and fallback hops woven in)
+    and the headers the router owns, removed from requests and responses."""
+    return {
+        "name": "model_router",
+        "request_headers_to_remove": [
+            BACKEND_HEADER, RESPONSE_HEADER, SHADOW_HEADER, *CLIENT_ROUTER_HEADERS,
+            *envoy_limits.INTERNAL_REQUEST_HEADERS,
+        ],
+        # An upstream cannot forge the router's attribution; the router's own
+        # comes from the decision's metadata (applied after the removal).
+        "response_headers_to_remove": [*ATTRIBUTION_HEADERS, *envoy_limits.response_headers_to_remove(config)],
+        "response_headers_to_add": _attribution_headers() + envoy_limits.response_headers_to_add(),
+        "virtual_hosts": [
+            {
+                "name": "all",
+                "domains": ["*"],
+                # The fallback filter reads which attempt it sees.
+                **({"include_request_attempt_count": True} if config.fallback_chains and config.fallback_attempts else {}),
+                "routes": envoy_shadow.routes(config, _with_fallback(config, _routes(
+                    config.envoy.upstream_timeout_s, config.envoy.idle_timeout_s, _fail_open_cluster(config),
+                    backend_routes(config) if config.envoy.routing == "header_match" else None,
+                ))),
+            }
+        ],
+    }
+
+
+def _listener(listen: str, buffer_limit: int, hcm: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": "public",
+        "address": _addr(listen),
+        # Without this, a second Envoy on the same address would bind too and
+        # silently take half the traffic.
+        "enable_reuse_port": False,
+        "per_connection_buffer_limit_bytes": buffer_limit,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+def _sidecar_cluster(config: Config, sidecars: list[str], endpoints: list[str]) -> dict[str, Any]:
+    """The sidecar's ext_proc endpoints (standby ports included), over HTTP/2,
+    with the health check and circuit breakers its workers expect."""
+    server = config.server
+    cluster: dict[str, Any] = {
+        "name": RESERVED_BACKEND_NAME,
+        "type": "STATIC" if all(_is_ip(address.host_of(a)) for a in sidecars) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "per_connection_buffer_limit_bytes": buffer_limit_bytes(server),
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        "initial_stream_window_size": 16 * 1024 * 1024,
+                        "initial_connection_window_size": 64 * 1024 * 1024,
+                    }
+                },
+            }
+        },
+        "load_assignment": {
+            "cluster_name": RESERVED_BACKEND_NAME,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(a)}} for a in endpoints]}],
+        },
+        **_sidecar_guards(server, len(sidecars)),
+    }
+    if server.grpc_auth.tls is not None:
+        cluster["transport_socket"] = grpc_auth.upstream_tls(server.grpc_auth.tls)
+    return cluster
+
+
+def _backend_clusters(config: Config, urls: dict[str, str]) -> list[dict[str, Any]]:
+    """A cluster per backend, then the fallback hops' and the shadow arms'."""
+    server = config.server
+    buffer_limit = buffer_limit_bytes(server)
+    clusters = []
     for b in config.backends:
         url = urls.get(b.name, b.url)
         if url == "demo://":
             raise ValueError(f"backend '{b.name}' is served by a demo engine; pass its address")
         clusters.append(_backend_cluster(b.name, url, buffer_limit))
-    clusters += envoy_fallback.clusters(
-        snapshot.build(config, urls), config.fallback_attempts,
-        lambda name, backend: _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit),
-        _upstream_filters(server.message_timeout_ms, buffer_limit, fail_open),
-    )
 
+    def cluster_for(name: str, backend: str) -> dict[str, Any]:
+        return _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit)
+
+    clusters += envoy_fallback.clusters(
+        snapshot.build(config, urls), config.fallback_attempts, cluster_for,
+        _upstream_filters(server.message_timeout_ms, buffer_limit, server.failure_mode == "open"),
+    )
     clusters += envoy_shadow.clusters(
-        config,
-        lambda name, backend: _backend_cluster(name, urls.get(backend) or _url(config, backend), buffer_limit),
+        config, cluster_for,
         envoy_shadow.filter_config(_response_ext_proc(server.message_timeout_ms, buffer_limit, False)),
         _codec(),
     )
-
-    auth = server.grpc_auth
-    if auth.tls is not None:
-        clusters[0]["transport_socket"] = grpc_auth.upstream_tls(auth.tls)
-    boot = {
-        "admin": {"address": _addr(admin_listen or config.envoy.admin_listen)},
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {
-                "@type": _T + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                "max_active_downstream_connections": config.envoy.max_connections,
-            },
-        }]},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "public",
-                    "address": _addr(listen or config.envoy.listen),
-                    # Without this, a second Envoy on the same address would bind too and
-                    # silently take half the traffic.
-                    "enable_reuse_port": False,
-                    "per_connection_buffer_limit_bytes": buffer_limit,
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": clusters,
-        },
-    }
-    secret = grpc_secret if grpc_secret is not None else grpc_auth.secret_of(auth)
-    if secret is not None:
-        grpc_auth.with_secret(boot, RESERVED_BACKEND_NAME, secret)
-    return boot
+    return clusters
 
 
 def render(boot: dict[str, Any]) -> str:
