@@ -57,7 +57,7 @@ class BackendState:
         return fresh(self.scraped_at, now, freshness_s)
 
     def admissible(self, now: float, max_waiting: int | None, freshness_s: float | None = None) -> bool:
-        """:func:`sidecar.routing.admissible`, the rule routing applies too."""
+        """:func:`sidecar.routing.selection.admissible`, the rule routing applies too."""
         return admissible(self, now, max_waiting, freshness_s)
 
 
