@@ -8,19 +8,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.devstack.stack import Stack, StackError
+from tests.support import properties
 from tests.support.servers import RedisServer
 
-# Property tests explore new inputs on every local run; under CI they draw the
-# same inputs every time, so a red run reproduces and a green one stays green.
-# How fast inputs are drawn depends on the machine's load, not on the code:
-# the speed health check would fail a busy run that a quiet one passes.
-settings.register_profile("default", suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True, print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI") else "default")
+# Hypothesis profiles (derandomized under CI) and example budgets: tests/support/properties.py.
+properties.load()
 
 
 def docker_daemon_problem() -> str | None:
