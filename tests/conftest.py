@@ -91,8 +91,25 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+# Every request of the backend monitor (sidecar/backends/monitor.py: health
+# checks, /metrics scrapes, model listings) carries this user agent;
+# tests/unit/test_monitor_probes.py holds the monitor to it.
+MONITOR_USER_AGENT = "model-router-monitor"
+
+
+def is_monitor_probe(record: dict) -> bool:
+    """Whether a demo engine's request record is one of the monitor's polls."""
+    return record["headers"].get("user-agent", "").startswith(MONITOR_USER_AGENT)
+
+
 def demo_requests(stack: Stack, backend: str) -> list[dict]:
-    return httpx.get(stack.demo_urls[backend] + "/_demo/requests").json()
+    """The requests a demo engine saw, oldest first, without the monitor's polls.
+
+    The monitor polls on its own clock, so how many of its requests a log
+    holds depends on timing and machine load; every count of what an engine
+    saw goes through here."""
+    records = httpx.get(stack.demo_urls[backend] + "/_demo/requests").json()
+    return [r for r in records if not is_monitor_probe(r)]
 
 
 def clear_demo_requests(stack: Stack) -> None:
