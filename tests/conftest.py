@@ -8,19 +8,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.devstack.stack import Stack, StackError
+from tests.support import properties
 from tests.support.servers import RedisServer
 
-# Property tests explore new inputs on every local run; under CI they draw the
-# same inputs every time, so a red run reproduces and a green one stays green.
-# How fast inputs are drawn depends on the machine's load, not on the code:
-# the speed health check would fail a busy run that a quiet one passes.
-settings.register_profile("default", suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True, print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI") else "default")
+# Hypothesis profiles (derandomized under CI) and example budgets: tests/support/properties.py.
+properties.load()
 
 
 def docker_daemon_problem() -> str | None:
@@ -96,8 +91,25 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+# Every request of the backend monitor (sidecar/backends/monitor.py: health
+# checks, /metrics scrapes, model listings) carries this user agent;
+# tests/unit/test_monitor_probes.py holds the monitor to it.
+MONITOR_USER_AGENT = "model-router-monitor"
+
+
+def is_monitor_probe(record: dict) -> bool:
+    """Whether a demo engine's request record is one of the monitor's polls."""
+    return record["headers"].get("user-agent", "").startswith(MONITOR_USER_AGENT)
+
+
 def demo_requests(stack: Stack, backend: str) -> list[dict]:
-    return httpx.get(stack.demo_urls[backend] + "/_demo/requests").json()
+    """The requests a demo engine saw, oldest first, without the monitor's polls.
+
+    The monitor polls on its own clock, so how many of its requests a log
+    holds depends on timing and machine load; every count of what an engine
+    saw goes through here."""
+    records = httpx.get(stack.demo_urls[backend] + "/_demo/requests").json()
+    return [r for r in records if not is_monitor_probe(r)]
 
 
 def clear_demo_requests(stack: Stack) -> None:

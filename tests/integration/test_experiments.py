@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.routing.assignment import assign
 
-from ..conftest import clear_demo_requests, demo_requests, metric, sidecar_metric, wait_metric
+from ..conftest import clear_demo_requests, demo_requests, metered, metric, sidecar_metric, wait_metric
 
 pytestmark = pytest.mark.integration
 
@@ -176,10 +176,10 @@ def test_metrics_count_requests_tokens_and_statuses(stack):
     assert an.messages.count_tokens(model="chat-metered", messages=msgs).input_tokens > 0
 
     m = lambda name, **kw: metric(stack, name, experiment="metered", variant="only", **kw)  # noqa: E731
-    # Accounting arrives with Envoy's access log: wait for all 7 entries, then
-    # a little longer for anything that would be a double count.
+    # Accounting arrives with Envoy's access log: wait for all 7 entries, and
+    # for every entry of a request Envoy finished, so a double count would show.
     wait_metric(stack, "model_experiment_requests_total", 7, experiment="metered", variant="only")
-    time.sleep(0.3)
+    assert metered(stack, timeout=15)
     assert m("model_experiment_requests_total", status="success", assignment="sticky") == 5
     assert m("model_experiment_requests_total", status="server_error") == 1
     assert m("model_experiment_requests_total", status="client_error") == 1

@@ -18,6 +18,7 @@ from sidecar.experiments import feedback, join
 from sidecar.experiments.feedback import Feedback, owner_of
 
 from ..conftest import metered
+from ..support.configs import split_config
 
 METRICS = """
 feedback_metrics:
@@ -142,24 +143,13 @@ def test_feedback_usage_record():
 # --------------------------------------------------------------------------- through Envoy
 
 # A slow access-log flush: feedback sent right after an answer arrives long before the answer's entry.
-STACK = """
+STACK = split_config("""
 metering: {flush_interval_ms: 2000}
 server: {admin_token: admin-secret}
 api_keys:
   - {id: team-a, key: sk-team-a}
   - {id: team-b, key: sk-team-b}
-backends:
-  - {name: pool-a, url: "demo://", models: [model-a]}
-  - {name: pool-b, url: "demo://", models: [model-b]}
-model_experiments:
-  - name: split
-    model: chat
-    response_headers: true
-    sticky_key: "header:x-caller"
-    variants:
-      - {id: control, model: model-a, weight: 1}
-      - {id: candidate, model: model-b, weight: 1}
-""" + METRICS
+""") + METRICS
 
 
 @pytest.fixture(scope="module")

@@ -14,25 +14,16 @@ import pytest
 from sidecar.accounting import logs
 from sidecar.accounting.metering import Entry
 
+from ..support.configs import SPLIT_ARMS, split_config
+
 KEY = "sk-log-team-very-secret-0123"
 WRONG_KEY = "sk-wrong-key-also-secret-4567"
-CONFIG = """
+CONFIG = split_config("""
 metering: {flush_interval_ms: 100}
 api_keys:
   - {id: team-a, key: %s}
-backends:
-  - {name: pool-a, url: "demo://", models: [model-a]}
-  - {name: pool-b, url: "demo://", models: [model-b]}
-model_experiments:
-  - name: split
-    model: chat
-    response_headers: true
-    sticky_key: "header:x-caller"
-    variants:
-      - {id: control, model: model-a, weight: 1}
-      - {id: candidate, model: model-b, weight: 1}
-""" % KEY
-ARM = {"control": ("model-a", "pool-a"), "candidate": ("model-b", "pool-b")}
+""") % KEY
+ARM = SPLIT_ARMS
 
 
 def _json_lines(text: str) -> list[dict]:

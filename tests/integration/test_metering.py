@@ -14,27 +14,20 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..conftest import envoy_stat, metric, wait_metric
+from ..support.configs import split_config
 
 pytestmark = pytest.mark.integration
 
-CONFIG = """
+CONFIG = split_config(
+    """
 metering: {flush_interval_ms: 100}
 api_keys:
   - {id: team-a, key: sk-team-a}
   - {id: pinned, key: sk-pinned, allowed_backends: [pool-b]}
-backends:
-  - {name: pool-a, url: "demo://", models: [model-a]}
-  - {name: pool-b, url: "demo://", models: [model-b]}
-  - {name: pool-c, url: "http://127.0.0.1:9", models: [model-c], health_path: /health}  # nothing listens there
-monitor: {probe_interval_s: 0.2, timeout_s: 0.2}
-model_experiments:
-  - name: split
-    model: chat
-    response_headers: true
-    sticky_key: "header:x-caller"
-    variants:
-      - {id: control, model: model-a, weight: 1}
-      - {id: candidate, model: model-b, weight: 1}
+""",
+    backends='  - {name: pool-c, url: "http://127.0.0.1:9", models: [model-c], health_path: /health}  # nothing listens there',
+    between="monitor: {probe_interval_s: 0.2, timeout_s: 0.2}",
+    experiments="""\
   - name: renamed
     model: chat-client
     response_headers: true
@@ -51,7 +44,8 @@ model_experiments:
     model: chat-pinned
     response_headers: true
     variants: [{id: only, model: model-a, weight: 1}]
-"""
+""",
+)
 
 PROMPT = "one two three"  # the demo engine counts words: 3 prompt tokens
 ARM_BACKEND = {"control": "pool-a", "candidate": "pool-b"}

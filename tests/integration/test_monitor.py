@@ -25,6 +25,7 @@ from sidecar.devstack.stack import free_port
 from sidecar.metrics import REGISTRY
 from sidecar.routing.snapshot import build
 
+from ..conftest import is_monitor_probe
 from ..unit.test_engines import page
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,6 +183,23 @@ async def wait_for(predicate, what: str, timeout: float = 5.0, interval: float =
         await asyncio.sleep(interval)
 
 
+async def wait_for_async(read, done, what: str, timeout: float = 10.0, interval: float = 0.05):
+    """Poll the coroutine ``read()`` until ``done(value)``; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await read()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what} (last {value!r})")
+        await asyncio.sleep(interval)
+
+
+async def model_listings(url: str) -> int:
+    """How many model listings the monitor has sent a demo engine."""
+    return sum(r["path"] == "/v1/models" and is_monitor_probe(r) for r in await demo(url, "GET", "/_demo/requests"))
+
+
 async def demo(url: str, method: str = "POST", path: str = "/_demo/state", **body):
     async with aiohttp.ClientSession() as s:
         async with s.request(method, url + path, json=body if method == "POST" else None) as r:
@@ -223,7 +241,9 @@ def test_discovery_finds_models_and_reports_changes(engines):
             assert state.models == ("llama-3.1-8b", "qwen3-8b")
             assert state.healthy
             assert seen == [{"a": ("llama-3.1-8b", "qwen3-8b")}]
-            await asyncio.sleep(0.5)  # more polls with the same list report nothing new
+            # More polls with the same list report nothing new: three more listings.
+            listed = await model_listings(eng.url)
+            await wait_for_async(lambda: model_listings(eng.url), lambda n: n >= listed + 3, "three more listings")
             assert len(seen) == 1
         finally:
             await mon.stop()

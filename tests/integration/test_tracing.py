@@ -17,27 +17,17 @@ from sidecar.accounting.metering import Entry
 from sidecar.config.schema import Tracing
 
 from ..conftest import clear_demo_requests, demo_requests, metric, wait_metric
+from ..support.configs import SPLIT_ARMS, split_config
 from ..support.otlp import GrpcReceiver, HttpReceiver, decode
 
 KEY = "sk-trace-team-secret"
-CONFIG = """
+CONFIG = split_config("""
 metering: {flush_interval_ms: 100}
 tracing: %s
 api_keys:
   - {id: team-a, key: %s}
-backends:
-  - {name: pool-a, url: "demo://", models: [model-a]}
-  - {name: pool-b, url: "demo://", models: [model-b]}
-model_experiments:
-  - name: split
-    model: chat
-    response_headers: true
-    sticky_key: "header:x-caller"
-    variants:
-      - {id: control, model: model-a, weight: 1}
-      - {id: candidate, model: model-b, weight: 1}
-"""
-ARM = {"control": ("model-a", "pool-a"), "candidate": ("model-b", "pool-b")}
+""")
+ARM = SPLIT_ARMS
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 PROMPT = "one two three"  # the demo engine counts words: 3 prompt tokens

@@ -60,6 +60,18 @@ class Load:
         for t in self.threads:
             t.join(timeout=30)
 
+    def wait(self, enough, what: str, timeout: float = 60.0) -> None:
+        """Wait until ``enough(log)`` holds: a stretch of load is a number of
+        answers, not a span of time, however busy the machine is."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                log = list(self.log)
+            if enough(log):
+                return
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {Counter(o for _, o in log)}"
+            time.sleep(0.05)
+
     def _run(self, seed: int) -> None:
         n = 0
         with httpx.Client(base_url=self.url, timeout=30) as http:
@@ -106,7 +118,7 @@ def test_a_killed_worker_is_restarted_and_the_others_serve_meanwhile(tmp_path):
         before = children(supervisor)
         assert len(before) == 2
         with Load(stack.url) as load:
-            time.sleep(2)
+            load.wait(lambda log: sum(o == "ok" for _, o in log) >= 20, "20 answers before the kill")
             victim = before[0]
             killed_at = time.monotonic()
             subprocess.run(["kill", "-KILL", str(victim)], check=True)
@@ -123,7 +135,7 @@ def test_a_killed_worker_is_restarted_and_the_others_serve_meanwhile(tmp_path):
                     pass
                 time.sleep(0.05)
             back_at = time.monotonic()
-            time.sleep(3)
+            load.wait(lambda log: sum(t > back_at + 1 for t, _ in log) > 50, "50 answers once the worker is back")
         outage = [o for t, o in load.log if killed_at < t < back_at]
         settled = [o for t, o in load.log if t > back_at + 1]
         # Envoy ejects the dead worker on its first failed connection: the
@@ -181,7 +193,8 @@ def test_recycling_under_load_fails_no_request(tmp_path):
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
-            time.sleep(1)
+            recycled = len(load.log)
+            load.wait(lambda log: len(log) >= recycled + 20, "20 answers after the third recycle")
         # (While one drains, old and new worker share the admin port: wait for the old to go.)
         supervisor = stack._procs["sidecar-supervisor"].popen.pid
         deadline = time.monotonic() + 30

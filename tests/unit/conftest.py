@@ -1,12 +1,17 @@
 """Unit tests start no process: a test here that tries fails at once.
 
 Anything that starts an engine, Envoy, the sidecar or a server binary belongs
-in tests/integration/ (where every test carries the ``integration`` marker)."""
+in tests/integration/ (where every test carries the ``integration`` marker).
+The refusal covers a test's whole setup, call and teardown, so a module- or
+session-scoped fixture that starts a process is refused too."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 
@@ -19,8 +24,29 @@ def _refuse(*args: object, **kwargs: object) -> None:
     raise ProcessStarted("unit tests start no process; move this test to tests/integration/")
 
 
-@pytest.fixture(autouse=True)
-def _no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", _refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_shell", _refuse)
+@contextlib.contextmanager
+def _no_processes() -> Iterator[None]:
+    with (
+        mock.patch.object(subprocess.Popen, "__init__", _refuse),
+        mock.patch.object(asyncio, "create_subprocess_exec", _refuse),
+        mock.patch.object(asyncio, "create_subprocess_shell", _refuse),
+    ):
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_processes():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_processes():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _no_processes():
+        return (yield)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from sidecar.routing.assignment import Assignment, Race, Score, assign, caller_key, next_boundary, salt_prefix
+from tests.support.properties import budget
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "assignment.md"
 
@@ -121,7 +122,7 @@ def check_against_reference(got: Assignment, variants, winner, table) -> None:
 # --------------------------------------------------------------------------- 1. reference
 
 
-@settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=budget(2500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     experiment=unicode_text,
     sticky=sticky_values,
@@ -143,7 +144,7 @@ def test_matches_reference_sticky(experiment, sticky, variants, ttl, now):
     assert race.pick(salt_prefix(experiment), sticky, ttl, now) == winner
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=budget(500), deadline=None)
 @given(
     experiment=unicode_text,
     variants=variant_lists(),
@@ -499,7 +500,7 @@ def test_u_extremes():
     assert mid.scores[0].u == 1 - 2.0**-52
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=budget(200), deadline=None)
 @given(experiment=unicode_text, sticky=sticky_values, variants=variant_lists(), ttl=st.one_of(st.none(), ttls))
 def test_weight_zero_never_wins_and_winner_has_min_score(experiment, sticky, variants, ttl):
     got = assign(experiment, variants, sticky, ttl_seconds=ttl, unix_time=1.8e9)
@@ -509,7 +510,7 @@ def test_weight_zero_never_wins_and_winner_has_min_score(experiment, sticky, var
     assert variants[rnd.variant_index][1] > 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=budget(200), deadline=None)
 @given(experiment=unicode_text, sticky=st.one_of(st.none(), sticky_values), n_zero=st.integers(0, 10), data=st.data())
 def test_single_positive_variant_always_wins(experiment, sticky, n_zero, data):
     pos = data.draw(st.integers(0, n_zero))

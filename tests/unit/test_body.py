@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.payload.body import BodyError, parse_json, set_top_level, top_level_spans
+from tests.support.properties import budget
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
 scalars = st.one_of(
@@ -29,7 +30,7 @@ def encodings(obj):
     yield json.dumps(obj, ensure_ascii=False, indent=2).encode()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=budget(300), deadline=None)
 @given(objects, text, st.booleans())
 def test_set_top_level_changes_only_the_named_keys(obj, model, present):
     if present:

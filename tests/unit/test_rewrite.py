@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sidecar.payload import rewrite
 from sidecar.payload.rewrite import SSERewriter, Usage, rewrite_json_body
+from tests.support.properties import budget
 
 UNICODE = "héllo→✓😀"
 
@@ -1132,7 +1133,7 @@ def interesting_cuts(data: bytes) -> list[int]:
     return [i for i in range(1, len(data)) if data[i - 1] == 13 or 0x80 <= data[i] < 0xC0]
 
 
-PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(deadline=None, max_examples=budget(150), suppress_health_check=[HealthCheck.too_slow])
 
 
 class TestSSEProperties:
@@ -1169,7 +1170,7 @@ class TestSSEProperties:
         assert b"".join(out) == sc.expected
         assert rw.usage == sc.usage
 
-    @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+    @settings(deadline=None, max_examples=budget(40), suppress_health_check=[HealthCheck.too_slow])
     @given(scenarios(max_events=4))
     def test_every_single_cut_and_byte_by_byte(self, sc):
         data = sc.stream
@@ -1181,7 +1182,7 @@ class TestSSEProperties:
         assert run(rw, [data[i : i + 1] for i in range(len(data))]) == sc.expected
         assert rw.usage == sc.usage
 
-    @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+    @settings(deadline=None, max_examples=budget(60), suppress_health_check=[HealthCheck.too_slow])
     @given(scenarios(max_events=4), st.integers(200, 3000), st.data())
     def test_huge_event_passes_through_with_bounded_memory(self, sc, size, data):
         max_line = 150
