@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.backends.monitor import USER_AGENT
 from sidecar.devstack.stack import Stack, StackError
 from tests.support import properties
 from tests.support.servers import RedisServer
@@ -91,10 +92,10 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
-# Every request of the backend monitor (sidecar/backends/monitor.py: health
-# checks, /metrics scrapes, model listings) carries this user agent;
-# tests/unit/test_monitor_probes.py holds the monitor to it.
-MONITOR_USER_AGENT = "model-router-monitor"
+# Every request of the backend monitor (health checks, /metrics scrapes, model
+# listings) carries this user agent; tests/unit/test_monitor_probes.py holds
+# the monitor to it.
+MONITOR_USER_AGENT = USER_AGENT
 
 
 def is_monitor_probe(record: dict) -> bool:

@@ -58,10 +58,12 @@ from ..routing.selection import fresh
 from ..routing.snapshot import BackendInfo, Snapshot
 from .state import BackendState, MetricsStatus, auth_headers, parse_models, poll_url
 
-__all__ = ["Monitor"]
+__all__ = ["USER_AGENT", "Monitor"]
 
 log = logging.getLogger("model_router.monitor")
 
+USER_AGENT = "model-router-monitor"
+"""Every poll's user agent: what tells an engine's own request log the monitor's polls apart."""
 MODELS_PATH = "/v1/models"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest probe, metrics or model-list body read; a larger one is a failed poll."""
@@ -168,7 +170,7 @@ class Monitor:
             timeout=aiohttp.ClientTimeout(total=timeout),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEEPALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(),
-            headers={"user-agent": "model-router-monitor"},
+            headers={"user-agent": USER_AGENT},
         )
         if snap is not None:
             self._reconcile(snap)
