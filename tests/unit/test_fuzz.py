@@ -288,6 +288,15 @@ def test_decide_routes_the_well_formed_requests_the_fuzzers_build():
     assert isinstance(r, Route) and orjson.loads(r.body)["stream_options"] == {"include_usage": True}
 
 
+@pytest.mark.parametrize("metadata", ["u1", ["user_id", "u1"], 7, None, True])
+def test_a_messages_metadata_that_is_not_an_object_leaves_the_caller_unsticky(metadata):
+    """``sticky_key: user`` reads ``metadata.user_id`` on the Messages ingress;
+    any other shape of ``metadata`` routes as a caller with no sticky value."""
+    body = orjson.dumps({"model": "secret-chat", "max_tokens": 1, "messages": [], "metadata": metadata})
+    r = run_decide("/anthropic/v1/messages", body, {"x-api-key": "k-all"}, 0.5, 1, 0.0, record=False)
+    assert isinstance(r, Route) and r.upstream_model == "shared"
+
+
 # ----------------------------------------------------------------------- body splicing
 
 keys = st.one_of(st.sampled_from(["model", "stream", "stream_options", "a"]), st.text(max_size=6))
