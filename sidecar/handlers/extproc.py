@@ -32,6 +32,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from .. import errors, metrics, routing
 from ..accounting.spans import upstream_traceparent
 from ..backends import websearch
+from ..decision import EMPTY, X_RL_LIMIT, X_RL_UNIT, Decision, Fields
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
 from ..payload import response_ids
@@ -89,12 +90,12 @@ def _struct(namespaces: dict) -> struct_pb2.Struct:
     return md
 
 
-def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
+def immediate(reply: Reply, meta: Decision = EMPTY, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
     """The sidecar's own answer. Its metadata marks it as ours (Envoy's
     local-reply mapping leaves it alone) and carries the decision so far."""
-    md = {"reply": "sidecar", "kind": "refusal" if reply.status >= 400 else "answered", **dict(reply.meta), **(meta or {})}
-    for k in [k for k in md if k.startswith("x_rl_")]:
-        del md[k]  # no request-rate filter ran on this answer: it carries no rate headers
+    md = Decision(reply="sidecar", kind="refusal" if reply.status >= 400 else "answered") | reply.meta | meta
+    # No request-rate filter ran on this answer: it carries no rate headers.
+    md = md.without(X_RL_UNIT, X_RL_LIMIT)
     typed = any(k == "content-type" for k, _ in reply.headers)
     resp = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
@@ -103,7 +104,7 @@ def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct |
             body=reply.body,
             details=f"model_router_{reply.status}",
         ),
-        dynamic_metadata=_struct({NAMESPACE: md}),
+        dynamic_metadata=_struct({NAMESPACE: md.encode()}),
     )
     if usage is not None:
         resp.dynamic_metadata.MergeFrom(usage)
@@ -134,9 +135,9 @@ class _Stream:
         self.trace: Trace | None = None  # an operator asked for this request's decision trace
         self.span_id: str | None = None  # the router's span, named upstream when the client sent no traceparent
 
-    def meta(self) -> dict:
+    def meta(self) -> Decision:
         """What every answer on this stream publishes besides the decision."""
-        out: dict = {}
+        out: Fields = {}
         rid = self.headers.get("x-request-id")
         if rid:
             out["request_id"] = rid
@@ -148,7 +149,7 @@ class _Stream:
             out["key_id"] = self.caller.key.id
         if self.span_id is not None:
             out["span_id"] = self.span_id
-        return out
+        return Decision(**out)
 
 
 # A route's header mutation: (set on every request of the route, removed, this request's own).
@@ -351,7 +352,7 @@ class Processor(pbg.ExternalProcessorServicer):
         metrics.SHED.inc()
         path = header_map(msg).get(":path", "/")
         reply = errors.error("overloaded", "The router is at capacity; retry shortly.", family_for(canonical(path)))
-        return immediate(reply, {"kind": "shed"})
+        return immediate(reply, Decision(kind="shed"))
 
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.
@@ -374,7 +375,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if head.kind == "listing":
             assert isinstance(head.outcome, Reply)
             metrics.DECISIONS.labels("listing").inc()
-            return immediate(head.outcome, {**st.meta(), "kind": "listing"})
+            return immediate(head.outcome, st.meta() | Decision(kind="listing"))
         if head.kind == "passthrough":
             st.passthrough = True
             if isinstance(head.outcome, Reply):
@@ -437,7 +438,7 @@ class Processor(pbg.ExternalProcessorServicer):
         self._remember(st, route)
         if route.limits is not None and route.limits.budgets:
             self.runtime.budgets.reserve(route.limits)  # in the step whose decision admitted it
-        md = {**route.metadata(), **st.meta(), **self._explained(st, route)}
+        md = (route.decision() | st.meta() | self._explained(st, route)).encode()
         return self.parts.routed(phase, _MODE_NOTHING_MORE, NAMESPACE, md, *headers, route.body)
 
     async def _shared_budgets(self, st: _Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
@@ -464,7 +465,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if reply.status >= 500:
             self.runtime.report_response(route.backend.name, reply.status)
         _, usage = rewrite_json_body(reply.body, None, "openai")
-        meta = {**route.metadata(), **st.meta(), "kind": route.plan.kind}
+        meta = route.decision() | st.meta() | Decision(kind=route.plan.kind)
         if st.trace is not None:
             reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, st.trace.summary()),))
         return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
@@ -479,9 +480,9 @@ class Processor(pbg.ExternalProcessorServicer):
             return None
         body = entry.body if plan.rewrite_model is None else rewrite_json_body(entry.body, plan.rewrite_model, plan.family)[0]
         reply = Reply(entry.status, body, headers=(("content-type", entry.content_type),))
-        meta = {**route.metadata(), **st.meta(), "kind": "cache_hit", "x_cache": "hit"}
+        meta = route.decision() | st.meta() | Decision(kind="cache_hit", x_cache="hit")
         if st.trace is not None:
-            meta["x_explain"] = st.trace.summary()
+            meta |= Decision(x_explain=st.trace.summary())
         return immediate(reply, meta)
 
     def _store(self, response: ResponseStream) -> None:
@@ -523,7 +524,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     async def _feedback(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         reply, meta = await self.feedback.handle(st.snap.config, st.headers.get(":method", "POST"), self._owner(st), body)
-        return immediate(reply, {**st.meta(), **meta})
+        return immediate(reply, st.meta() | meta)
 
     @staticmethod
     def _canonical_path(st: _Stream, route: routing.Route) -> None:
@@ -579,19 +580,19 @@ class Processor(pbg.ExternalProcessorServicer):
         return shared, remove, own
 
     @staticmethod
-    def _explained(st: _Stream, result: routing.Route | Reply) -> dict:
+    def _explained(st: _Stream, result: routing.Route | Reply) -> Decision:
         """The trace summary's metadata (Envoy sends it back as a response header),
         when an operator asked for it."""
         if st.trace is None:
-            return {}
+            return EMPTY
         st.trace.conclude(result)
-        return {"x_explain": st.trace.summary()}
+        return Decision(x_explain=st.trace.summary())
 
     def _refuse(self, reply: Reply, st: _Stream) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
-        explained = self._explained(st, reply)
-        if explained:
-            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained["x_explain"]),))
+        explained = self._explained(st, reply).x_explain
+        if explained is not None:
+            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained),))
         return immediate(reply, st.meta())

@@ -1,14 +1,30 @@
 """The decision codec (sidecar/decision.py): every field survives the wire,
-an older or partial entry decodes, and a retry plan reads as far as it can."""
+an older or partial entry decodes, and every key a writer emits is one the
+codec knows."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from sidecar import decision
+from sidecar.accounting.budgets import Budgets
+from sidecar.backends.monitor import BackendState
+from sidecar.config.schema import parse
 from sidecar.contract import NAMESPACE
 from sidecar.decision import EMPTY, KEYS, Decision, Retry
+from sidecar.errors import Reply
+from sidecar.handlers.extproc import Processor
+from sidecar.payload.response_ids import Owner, tag
+from sidecar.routing import Request, Route, authenticate, decide, dispatch, snapshot
+from sidecar.routing.ingress import lookup
+from sidecar.routing.retarget import retarget
+from sidecar.routing.snapshot import Snapshot
 
 # One value of every field, in its typed form.
 EVERY: decision.Fields = {
@@ -86,3 +102,135 @@ def test_a_retry_plan_that_does_not_read_keeps_what_does():
     plan = Retry.decode(orjson.dumps({"hops": [["b", "m-b"], ["c"]], "origin": 3, "limits": [[]]}).decode())
     assert plan == Retry((("b", "m-b"), None), None, (None,), None, False)
     assert Retry.decode("not json") is None and Retry.decode("[]") is None
+
+
+# ------------------------------------------------------------------ the writers
+
+CONFIG = """
+proxy: {variant_suffixes: {enabled: true}}
+server: {admin_token: tok-admin}
+api_keys:
+  - {key: sk-a, id: team-a}
+backends:
+  - {name: a, url: "http://127.0.0.1:1/base", models: [m-a, m-c], api_key: sk-backend}
+  - {name: b, url: "http://127.0.0.1:2", models: [m-b, m-c]}
+model_metadata:
+  - {id: m-a, reasoning_efforts: [low, high]}
+fallback_chains:
+  m-a: [m-b]
+model_experiments:
+  - name: chat-ab
+    model: chat
+    response_model: client
+    response_headers: true
+    variants:
+      - {id: control, model: m-a, weight: 1}
+limits:
+  - {model: chat, requests_per_second: 5, tokens: 100000, token_window: 60s}
+  - {model: m-c, tokens: 10}
+cache: {}
+"""
+
+
+@pytest.fixture(scope="module")
+def snap() -> Snapshot:
+    return snapshot.build(parse(CONFIG, env={}).config)
+
+
+def _decide(snap: Snapshot, model: str, path: str = "/v1/chat/completions", states=None, spent=None, **extra):
+    caller = authenticate(snap, {"authorization": "Bearer sk-a"}, "openai")
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, **extra})
+    return decide(snap, Request(ingress=lookup(path), path=path, headers={}, body=body, caller=caller,
+                                now=1_700_000_000.0, states=states or {}, spent=spent or {}))
+
+
+def _writers(snap: Snapshot) -> list[Decision]:
+    """The decisions routing writes, for requests that take every branch."""
+    routed = _decide(snap, "chat")
+    assert isinstance(routed, Route) and routed.plan.experiment and routed.limits is not None
+    chained = _decide(snap, "m-a")
+    assert isinstance(chained, Route) and chained.hops
+    suffixed = _decide(snap, "m-a:thinking")
+    down = _decide(snap, "m-a", states={"a": BackendState("a", healthy=False)})
+    background = _decide(snap, "m-a", path="/v1/responses", input="hi", background=True)
+    spent = _decide(snap, "m-c", spent={"*/m-c": (int(1_700_000_000 // 86400), 10)})
+    unknown = _decide(snap, "nope")
+    assert isinstance(spent, Reply) and isinstance(unknown, Reply)
+    rid = tag(Owner("a", "m-a", False, "team-a"), "resp_up", snap.id_key)
+    path = f"/v1/responses/{rid}"
+    head = dispatch.at_headers(snap, path, {"authorization": "Bearer sk-a"}, "GET", body_follows=False)
+    follow_up = head.outcome
+    hop = retarget(snap, suffixed.decision(), 2, suffixed.body or b"{}")
+    assert hop is not None
+    routes = [routed, chained, suffixed, down, background, follow_up]
+    assert all(isinstance(r, Route) for r in routes), routes
+    return [r.decision() for r in routes] + [spent.meta, unknown.meta, hop.decision]
+
+
+def _answers(snap: Snapshot) -> list[Decision]:
+    """The decisions the request handler publishes (routed, refused, explained, anthropic)."""
+
+    class Runtime:
+        def __init__(self) -> None:
+            self.snapshot = snap
+            self.budgets = Budgets(lambda: snap)
+
+        def backend_states(self) -> dict:
+            return {}
+
+        def count_request(self) -> None:
+            pass
+
+    def messages(path: str, headers: dict[str, str], body: dict):
+        raw = orjson.dumps(body)
+        entries = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+                   {":method": "POST", ":path": path, "x-request-id": "r-1", "authorization": "Bearer sk-a",
+                    **headers}.items()]
+        yield pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=entries)))
+        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+    async def run(path: str, headers: dict[str, str], body: dict) -> list[Decision]:
+        async def stream():
+            for m in messages(path, headers, body):
+                yield m
+        out = []
+        async for answer in Processor(Runtime()).Process(stream(), None):
+            if NAMESPACE in answer.dynamic_metadata.fields:
+                wire = answer.dynamic_metadata.fields[NAMESPACE].struct_value
+                out.append((Decision.decode(wire), set(wire.fields)))
+        return out
+
+    found = []
+    for path, headers, body in (
+        ("/v1/chat/completions", {"x-model-router-explain": "1", "x-model-router-admin-token": "tok-admin"},
+         {"model": "chat", "messages": []}),
+        ("/anthropic/v1/messages", {}, {"model": "m-b", "max_tokens": 5, "messages": []}),
+        ("/v1/chat/completions", {}, {"model": "nope", "messages": []}),
+    ):
+        for d, keys in asyncio.run(run(path, headers, body)):
+            assert keys <= set(KEYS), keys - set(KEYS)  # a key the codec does not know
+            found.append(d)
+    return found
+
+
+def test_every_key_a_writer_emits_is_the_codecs_and_round_trips(snap):
+    emitted: set[str] = set()
+    for d in _writers(snap) + _answers(snap):
+        wire = d.encode()
+        assert set(wire) <= set(KEYS), set(wire) - set(KEYS)
+        assert Decision.decode(wire) == d == Decision.decode(_struct(wire))
+        emitted |= set(wire)
+    # Accepted feedback is written by the experiments' feedback handler; the
+    # rest of the codec's keys come from routing and the request handler.
+    feedback = {k for k in KEYS if k.startswith("feedback_")}
+    assert emitted | feedback == set(KEYS), set(KEYS) - emitted - feedback
+
+
+def test_a_route_decision_is_its_plan_limits_and_backend(snap):
+    routed = _decide(snap, "chat")
+    d = routed.decision()
+    assert (d.kind, d.experiment, d.variant, d.backend, d.limit_model) == ("routed", "chat-ab", "control", "a", "chat")
+    assert routed.metadata() == d.encode()
+    chained = _decide(snap, "m-a").decision()
+    plan = chained.retry_plan()
+    assert plan is not None and plan.hops == (("b", "m-b"),) and plan.origin == "m-a" and chained.auth_replaced
