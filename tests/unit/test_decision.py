@@ -5,6 +5,7 @@ codec knows."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import orjson
 import pytest
@@ -18,6 +19,7 @@ from sidecar.backends.monitor import BackendState
 from sidecar.config.schema import parse
 from sidecar.contract import NAMESPACE
 from sidecar.decision import EMPTY, KEYS, Decision, Retry
+from sidecar.deploy import envoy, envoy_limits, envoy_replies
 from sidecar.errors import Reply
 from sidecar.handlers.extproc import Processor
 from sidecar.payload.response_ids import Owner, tag
@@ -102,6 +104,16 @@ def test_a_retry_plan_that_does_not_read_keeps_what_does():
     plan = Retry.decode(orjson.dumps({"hops": [["b", "m-b"], ["c"]], "origin": 3, "limits": [[]]}).decode())
     assert plan == Retry((("b", "m-b"), None), None, (None,), None, False)
     assert Retry.decode("not json") is None and Retry.decode("[]") is None
+
+
+def test_the_envoy_config_spells_the_codec_keys():
+    keys = set(KEYS)
+    assert set(envoy._ATTRIBUTION_KEYS.values()) | {envoy._ANTHROPIC_REQUEST_ID[1]} <= keys
+    assert set(envoy_limits.TOKEN_HEADERS.values()) <= keys
+    text = orjson.dumps([envoy_replies.local_reply_config(1024), envoy_limits.response_headers_to_add()]).decode()
+    named = set(re.findall(r"DYNAMIC_METADATA\(" + NAMESPACE + r":(\w+)\)", text))
+    named |= set(re.findall(r'"key":"(\w+)"', text)) - {"x-should-retry", "retry-after"}
+    assert named and named <= keys, named - keys
 
 
 # ------------------------------------------------------------------ the writers
