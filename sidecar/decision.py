@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import orjson
+
+if TYPE_CHECKING:  # (imported by the worker supervisor's logging too, which loads no protobuf)
+    from google.protobuf import struct_pb2
 
 # Keys the generated Envoy configuration names (``%DYNAMIC_METADATA(ns:key)%``, matchers).
 KIND = "kind"
@@ -200,12 +203,14 @@ class Decision:
         return out
 
     @classmethod
-    def decode(cls, metadata: Any) -> Decision:
+    def decode(cls, metadata: struct_pb2.Struct | Mapping[str, Any]) -> Decision:
         """From the namespace's ``Struct`` (a metadata context, an access-log
         entry) or from a plain mapping of wire values."""
-        if isinstance(metadata, Mapping):
+        if isinstance(metadata, dict):
             return _from_plain(metadata)
-        return _from_struct(metadata)
+        if hasattr(metadata, "fields"):  # a Struct (a Mapping too, but one read in Python)
+            return _from_struct(metadata)
+        return _from_plain(metadata)
 
     def retry_plan(self) -> Retry | None:
         """The fallback hops ``retry`` names, or None without (readable) ones."""
@@ -357,16 +362,18 @@ def _from_plain(m: Mapping[str, Any]) -> Decision:
     return _made(out)
 
 
-def _from_struct(struct: Any) -> Decision:
+def _from_struct(struct: struct_pb2.Struct) -> Decision:
     out: dict[str, Any] = {}
     fields_ = struct.fields
     for k in fields_:  # (items() goes through the Mapping mixin, in Python)
         v = fields_[k]
-        which = v.WhichOneof("kind")
         if k in _STRING_KEYS:
-            if which == "string_value":
-                out[k] = v.string_value
-        elif k in _BOOL_KEYS:
+            text = v.string_value  # "" also when the value is not a string: then ask which it is
+            if text or v.WhichOneof("kind") == "string_value":
+                out[k] = text
+            continue
+        which = v.WhichOneof("kind")
+        if k in _BOOL_KEYS:
             if which == "bool_value":
                 out[k] = v.bool_value
         elif (dec := _DECODE.get(k)) is not None and which in _SCALARS:

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
-from ..decision import Decision
-
 if TYPE_CHECKING:  # the worker supervisor logs too, and loads no gRPC
+    from ..decision import Decision
     from .metering import Entry
 
 FORMATS = ("text", "json")
