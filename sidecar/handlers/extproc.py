@@ -20,7 +20,9 @@ import logging
 import os
 import random
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import replace
+from typing import Any, cast
 
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -39,11 +41,12 @@ from ..payload import response_ids
 from ..payload.json_budget import Budget
 from ..payload.rewrite import rewrite_json_body
 from ..routing import dispatch, explain
-from ..routing.ingress import canonical, family_for
+from ..routing.context import Caller
+from ..routing.ingress import Ingress, canonical, family_for
 from ..routing.limits import refusal as budget_refusal
 from ..routing.shadow import SHADOW_HEADER
 from ..routing.shadow import draw as shadow_draw
-from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
+from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER, Snapshot
 from ..routing.trace import Trace
 from ..stores.cache import ResponseCache
 from .answer_parts import AnswerParts, header_mutation
@@ -84,7 +87,7 @@ _MODE_NOTHING_MORE = _P(
 )
 
 
-def _struct(namespaces: dict) -> struct_pb2.Struct:
+def _struct(namespaces: dict[str, Any]) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.update(namespaces)
     return md
@@ -120,9 +123,9 @@ class _Stream:
     )
 
     def __init__(self) -> None:
-        self.snap = None
+        self.snap = cast("Snapshot", None)  # set at the request headers, before anything reads it
         self.head: dispatch.Head | None = None
-        self.ingress = None
+        self.ingress: Ingress | None = None
         self.family = "openai"
         self.passthrough = False
         self.headers: dict[str, str] = {}
@@ -130,7 +133,7 @@ class _Stream:
         self.header_bytes = 0
         self.path = "/"
         self.raw_path = "/"
-        self.caller = None
+        self.caller: Caller | None = None
         self.route: routing.Route | None = None
         self.trace: Trace | None = None  # an operator asked for this request's decision trace
         self.span_id: str | None = None  # the router's span, named upstream when the client sent no traceparent
@@ -174,13 +177,13 @@ def _read_headers(st: _Stream, msg: pb.HttpHeaders) -> dict[str, str]:
 _SILENT = object()  # no message within the silence limit
 
 
-def _retrieved(task: asyncio.Future) -> None:
+def _retrieved(task: asyncio.Future[Any]) -> None:
     """Mark a read's outcome as seen, so an abandoned one is not logged as never retrieved."""
     if not task.cancelled():
         task.exception()
 
 
-async def _next(messages, timeout: float | None):
+async def _next(messages: AsyncIterator[pb.ProcessingRequest], timeout: float | None) -> Any:
     """The next message from Envoy, None at the stream's end, or ``_SILENT``
     when ``timeout`` seconds pass without one."""
     if timeout is None:
@@ -205,7 +208,7 @@ async def _next(messages, timeout: float | None):
         return None
 
 
-class Processor(pbg.ExternalProcessorServicer):
+class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, runtime: HandlerRuntime) -> None:
         self.runtime = runtime
         self._counter = 0
@@ -215,10 +218,11 @@ class Processor(pbg.ExternalProcessorServicer):
         self.feedback = Feedback()
         self.json_budget = Budget()
         self.parts = AnswerParts()
-        self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
+        self._stores: set[asyncio.Task[None]] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
-    async def Process(self, request_iterator, context):
+    async def Process(self, request_iterator: AsyncIterable[pb.ProcessingRequest],
+                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream()
         response: ResponseStream | None = None
         silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
@@ -279,7 +283,9 @@ class Processor(pbg.ExternalProcessorServicer):
                     plan = st.route.plan if st.route is not None else None
                     if plan is not None and plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
-                        deadline = st.snap.config.web_search.deadline_s + 5
+                        search = st.snap.config.web_search
+                        assert search is not None  # :online is served only with a search provider
+                        deadline = search.deadline_s + 5
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
                         resp = await self._online(st, body)
                     elif plan is not None and plan.cache is not None and plan.cache.read:
@@ -296,22 +302,22 @@ class Processor(pbg.ExternalProcessorServicer):
                         return
                 elif kind == "response_headers":
                     # A response stream (the upstream filter), opened only for rewrites.
-                    plan = rewrite_of(req.metadata_context)
-                    if plan is None:
+                    rewrite = rewrite_of(req.metadata_context)
+                    if rewrite is None:
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                         return
-                    if plan.not_found is not None:
+                    if rewrite.not_found is not None:
                         if header_map(req.response_headers).get(":status") == "404":
                             # The engine lost it: the router's own answer, the one an id never issued gets.
-                            yield immediate(errors.response_not_found(plan.not_found))
+                            yield immediate(errors.response_not_found(rewrite.not_found))
                             return
-                        if replace(plan, not_found=None) == Rewrite(None, plan.family, False):
+                        if replace(rewrite, not_found=None) == Rewrite(None, rewrite.family, False):
                             # Only the status mattered: the body goes on unseen.
                             yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
                                                         mode_override=_MODE_NOTHING_MORE)
                             return
-                    tagger = response_ids.tagger(plan.id_tag, self.runtime.snapshot.id_key)
-                    response = ResponseStream(replace(plan, tagger=tagger))
+                    tagger = response_ids.tagger(rewrite.id_tag, self.runtime.snapshot.id_key)
+                    response = ResponseStream(replace(rewrite, tagger=tagger))
                     yield response.headers(req.response_headers)
                     if response.finished:
                         return
@@ -396,6 +402,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     def _pass(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         """A path outside the ingress table, judged on the models it names."""
+        assert st.head is not None
         route = dispatch.at_body(st.snap, st.head, body, st.headers, dispatch.Live(), st.trace)
         return self._routed_now(st, route, "passthrough", phase)
 
@@ -417,8 +424,9 @@ class Processor(pbg.ExternalProcessorServicer):
             now=time.time(), pick=self._counter, rand=self._rand.random(),
             states=self.runtime.backend_states(), mono=time.monotonic(), spent=self.runtime.budgets.spent,
         )
+        assert st.head is not None
         try:
-            route = dispatch.at_body(st.snap, st.head, body, st.headers, live, st.trace)
+            route: routing.Route | Reply = dispatch.at_body(st.snap, st.head, body, st.headers, live, st.trace)
         except Exception:
             log.exception("decision failed for %s", st.path.partition("?")[0])
             route = errors.error("internal", "The router could not process this request.", st.family)
@@ -455,12 +463,14 @@ class Processor(pbg.ExternalProcessorServicer):
 
     async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         route = st.route
-        snap = st.snap
+        assert route is not None and route.plan is not None
+        search = st.snap.config.web_search
+        assert search is not None
         request = orjson.loads(route.body if route.body is not None else body)
         headers = {"content-type": "application/json", **dict(route.set_headers)}
         reply = await websearch.run(
-            self.runtime.http_session(), snap.config.web_search, route.backend,
-            route.path or st.path, headers, request, route.plan.rewrite_model,
+            self.runtime.http_session(), search, route.backend,
+            route.path or st.path, headers, request, cast(str, route.plan.rewrite_model),  # set with the suffix
         )
         if reply.status >= 500:
             self.runtime.report_response(route.backend.name, reply.status)
@@ -474,7 +484,9 @@ class Processor(pbg.ExternalProcessorServicer):
         """A cache hit's answer (no upstream call), or None to send the request on.
         The entry holds the backend's answer; this request's rename applies."""
         route = st.route
+        assert route is not None and route.plan is not None
         plan = route.plan
+        assert plan.cache is not None
         entry = await self.cache.get(st.snap.config, plan.cache.key, plan.experiment or "", plan.variant or "")
         if entry is None:
             return None
@@ -518,7 +530,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if not msg.end_of_stream:
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
         method = st.headers.get(":method", "GET").upper()
-        kind = "method_not_allowed" if method != "POST" else "invalid_feedback"
+        kind: errors.Kind = "method_not_allowed" if method != "POST" else "invalid_feedback"
         message = "Feedback is sent with POST." if method != "POST" else "The body must be a JSON object."
         return immediate(errors.error(kind, message, "openai"), st.meta())
 
@@ -552,7 +564,7 @@ class Processor(pbg.ExternalProcessorServicer):
             if copy_to is not None and info is not None:
                 shared += ((SHADOW_HEADER, copy_to),)  # the routes' mirror policy copies the request there
                 metrics.SHADOW_COPIES.labels(info.config.name, info.config.shadows[0].id).inc()
-        own = []
+        own: list[tuple[str, str]] = []
         if route.path is not None:
             own.append((":path", route.path))
         if route.body is not None:

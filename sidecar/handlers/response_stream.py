@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -80,7 +81,7 @@ class Rewrite:
     background: bool = False  # a background create: publish its engine's id (budgets settle it on retrieve)
 
 
-def rewrite_of(metadata_context) -> Rewrite | None:
+def rewrite_of(metadata_context: Any) -> Rewrite | None:
     """The rewrite the request's decision published, or None when it asked for none."""
     ns = metadata_context.filter_metadata.get(NAMESPACE)
     if ns is None:
