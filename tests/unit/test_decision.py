@@ -5,6 +5,7 @@ codec knows."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import orjson
@@ -54,8 +55,10 @@ def _struct(wire: dict) -> struct_pb2.Struct:
     return md.fields[NAMESPACE].struct_value
 
 
-def test_every_field_has_a_value_here():
-    assert set(EVERY) == set(KEYS) == set(decision.Fields.__annotations__)
+def test_every_field_has_a_value_here_and_the_same_type_as_a_keyword():
+    assert set(EVERY) == set(KEYS)
+    keywords = {k: getattr(t, "__forward_arg__", t) for k, t in decision.Fields.__annotations__.items()}
+    assert keywords == {f.name: f.type for f in dataclasses.fields(Decision)}
 
 
 def test_every_field_round_trips_through_the_wire_and_a_struct():
