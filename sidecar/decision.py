@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack, cast
 
 import orjson
 
@@ -48,63 +48,64 @@ BUDGET_SEPARATOR = "\n"  # between rule ids in ``budgets`` (no model name has a 
 
 
 class Fields(TypedDict, total=False):
-    """The keyword arguments of :class:`Decision` (its fields, each optional; None: not set)."""
+    """The keyword arguments of :class:`Decision` (its fields, each optional). A dict of them is
+    what the request path builds and encodes, so it never holds None.."""
 
-    kind: str | None
-    reply: str | None
-    refusal: str | None
-    request_id: str | None
-    x_request_id: str | None
-    ingress: str | None
-    key_id: str | None
-    span_id: str | None
-    x_explain: str | None
-    x_cache: str | None
-    family: str | None
-    backend: str | None
-    client_model: str | None
-    upstream_model: str | None
-    retry: str | None
-    auth_replaced: bool | None
-    estimate: tuple[int, int] | None
-    background: bool | None
-    response_id: str | None
-    experiment: str | None
-    variant: str | None
-    assignment: str | None
-    caller: str | None
-    x_experiment: str | None
-    x_experiment_variant: str | None
-    suffix: str | None
-    suffix_applied: bool | None
-    x_model_variant: str | None
-    x_model_variant_applied: bool | None
-    fallback_from: str | None
-    fallback_to: str | None
-    fallback_reason: str | None
-    x_fallback_model: str | None
-    rewrite_model: str | None
-    strip_usage: bool | None
-    id_tag: str | None
-    not_found: str | None
-    cache_key: str | None
-    cache_ttl_s: int | None
-    cache_max_bytes: int | None
-    limit_model: str | None
-    limit_refused: str | None
-    x_rl_unit: str | None
-    x_rl_limit: str | None
-    budgets: tuple[str, ...] | None
-    reserved: tuple[int, float] | None
-    x_ratelimit_limit_tokens: str | None
-    x_ratelimit_remaining_tokens: str | None
-    x_ratelimit_reset_tokens: str | None
-    feedback_for: str | None
-    feedback_name: str | None
-    feedback_value: bool | float | None
-    feedback_replaces: bool | None
-    feedback_revision: int | None
-    feedback_comment: str | None
+    kind: str
+    reply: str
+    refusal: str
+    request_id: str
+    x_request_id: str
+    ingress: str
+    key_id: str
+    span_id: str
+    x_explain: str
+    x_cache: str
+    family: str
+    backend: str
+    client_model: str
+    upstream_model: str
+    retry: str
+    auth_replaced: bool
+    estimate: tuple[int, int]
+    background: bool
+    response_id: str
+    experiment: str
+    variant: str
+    assignment: str
+    caller: str
+    x_experiment: str
+    x_experiment_variant: str
+    suffix: str
+    suffix_applied: bool
+    x_model_variant: str
+    x_model_variant_applied: bool
+    fallback_from: str
+    fallback_to: str
+    fallback_reason: str
+    x_fallback_model: str
+    rewrite_model: str
+    strip_usage: bool
+    id_tag: str
+    not_found: str
+    cache_key: str
+    cache_ttl_s: int
+    cache_max_bytes: int
+    limit_model: str
+    limit_refused: str
+    x_rl_unit: str
+    x_rl_limit: str
+    budgets: tuple[str, ...]
+    reserved: tuple[int, float]
+    x_ratelimit_limit_tokens: str
+    x_ratelimit_remaining_tokens: str
+    x_ratelimit_reset_tokens: str
+    feedback_for: str
+    feedback_name: str
+    feedback_value: bool | float
+    feedback_replaces: bool
+    feedback_revision: int
+    feedback_comment: str
 
 
 @dataclass(frozen=True, init=False)
@@ -180,10 +181,17 @@ class Decision:
 
     # An instance holds only the keys that are set (the rest read as the class's None).
     def __init__(self, **values: Unpack[Fields]) -> None:
-        self.__dict__.update(values if None not in values.values() else
+        self.__dict__.update(values if None not in values.values() else  # (an untyped caller's None)
                              {k: v for k, v in values.items() if v is not None})
 
+    @staticmethod
+    def of(fields: Fields) -> Decision:
+        """The decision of a dict of keyword arguments (taken over, not copied)."""
+        return _made(cast(dict[str, Any], fields))
+
     def __or__(self, other: Decision) -> Decision:
+        if not other.__dict__:
+            return self
         return _made({**self.__dict__, **other.__dict__})
 
     def __bool__(self) -> bool:
@@ -196,11 +204,7 @@ class Decision:
 
     def encode(self) -> dict[str, str | bool | float]:
         """The metadata Envoy gets: the keys that are set, in wire types."""
-        out: dict[str, Any] = dict(self.__dict__)
-        for k, enc in _ENCODE.items():
-            if k in out:
-                out[k] = enc(out[k])
-        return out
+        return encode(cast(Fields, self.__dict__))
 
     @classmethod
     def decode(cls, metadata: struct_pb2.Struct | Mapping[str, Any]) -> Decision:
@@ -227,6 +231,16 @@ PER_REQUEST = frozenset((
     "not_found", "response_id",
 ))
 EMPTY = Decision()
+
+
+def encode(fields: Fields) -> dict[str, Any]:
+    """A dict of keyword arguments straight to the wire, as :meth:`Decision.encode`
+    (the request path's answer builds no Decision)."""
+    out: dict[str, Any] = dict(fields)
+    for k, enc in _ENCODE.items():
+        if k in out:
+            out[k] = enc(out[k])
+    return out
 
 
 def _made(values: dict[str, Any]) -> Decision:

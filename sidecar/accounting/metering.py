@@ -227,7 +227,8 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
     """The usage record of a request the router resolved, or None. Never the key."""
     d = entry.decision
     kind = d.kind
-    if not d or kind == "listing" or (kind == "refusal" and d.experiment is None and d.client_model is None):
+    if (kind is None and not d) or kind == "listing" or (
+            kind == "refusal" and d.experiment is None and d.client_model is None):
         return None
     if kind == "feedback":
         return feedback_record(d, entry.start)

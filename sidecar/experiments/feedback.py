@@ -26,7 +26,7 @@ import orjson
 from prometheus_client import Counter, Histogram
 
 from .. import errors
-from ..decision import EMPTY, Decision
+from ..decision import EMPTY, Decision, Fields
 from ..errors import Reply
 from ..metrics import REGISTRY
 from .join import JoinStore, Served, Unavailable
@@ -186,11 +186,12 @@ class Feedback:
             return not_found(given.request_id), EMPTY
         previous = stored.previous
         _count(served, given, previous)
-        meta = Decision(kind="feedback", feedback_for=given.request_id, experiment=served.experiment,
-                        variant=served.variant, feedback_name=given.name, feedback_value=given.value,
-                        feedback_replaces=previous is not None, feedback_revision=stored.revision,
-                        feedback_comment=given.comment)
-        return _accepted(given, previous is not None), meta
+        meta: Fields = {"kind": "feedback", "feedback_for": given.request_id, "experiment": served.experiment,
+                        "variant": served.variant, "feedback_name": given.name, "feedback_value": given.value,
+                        "feedback_replaces": previous is not None, "feedback_revision": stored.revision}
+        if given.comment is not None:
+            meta["feedback_comment"] = given.comment
+        return _accepted(given, previous is not None), Decision.of(meta)
 
 
 def _count(served: Served, given: Given, previous: float | None) -> None:

@@ -34,7 +34,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from .. import errors, metrics, routing
 from ..accounting.spans import upstream_traceparent
 from ..backends import websearch
-from ..decision import EMPTY, X_RL_LIMIT, X_RL_UNIT, Decision, Fields
+from ..decision import EMPTY, X_RL_LIMIT, X_RL_UNIT, Decision, Fields, encode
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
 from ..payload import response_ids
@@ -140,6 +140,10 @@ class _Stream:
 
     def meta(self) -> Decision:
         """What every answer on this stream publishes besides the decision."""
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`meta`'s keyword arguments."""
         out: Fields = {}
         rid = self.headers.get("x-request-id")
         if rid:
@@ -152,7 +156,7 @@ class _Stream:
             out["key_id"] = self.caller.key.id
         if self.span_id is not None:
             out["span_id"] = self.span_id
-        return Decision(**out)
+        return out
 
 
 # A route's header mutation: (set on every request of the route, removed, this request's own).
@@ -446,7 +450,12 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
         self._remember(st, route)
         if route.limits is not None and route.limits.budgets:
             self.runtime.budgets.reserve(route.limits)  # in the step whose decision admitted it
-        md = (route.decision() | st.meta() | self._explained(st, route)).encode()
+        m = route.fields()  # (one dict to the wire, no Decision built: this runs for every routed request)
+        m.update(st.fields())
+        explained = self._explained(st, route)
+        if explained is not None:
+            m["x_explain"] = explained
+        md = encode(m)
         return self.parts.routed(phase, _MODE_NOTHING_MORE, NAMESPACE, md, *headers, route.body)
 
     async def _shared_budgets(self, st: _Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
@@ -592,19 +601,19 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
         return shared, remove, own
 
     @staticmethod
-    def _explained(st: _Stream, result: routing.Route | Reply) -> Decision:
-        """The trace summary's metadata (Envoy sends it back as a response header),
-        when an operator asked for it."""
+    def _explained(st: _Stream, result: routing.Route | Reply) -> str | None:
+        """The trace summary (the decision's ``x_explain``: Envoy sends it back
+        as a response header), when an operator asked for it."""
         if st.trace is None:
-            return EMPTY
+            return None
         st.trace.conclude(result)
-        return Decision(x_explain=st.trace.summary())
+        return st.trace.summary()
 
     def _refuse(self, reply: Reply, st: _Stream) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
-        explained = self._explained(st, reply).x_explain
+        explained = self._explained(st, reply)
         if explained is not None:
             reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained),))
         return immediate(reply, st.meta())

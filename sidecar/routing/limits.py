@@ -20,7 +20,7 @@ from typing import Any
 from .. import errors
 from ..config.limits import KEY_HEADER, MODEL_HEADER, SHARED_KEY_HEADER, SHARED_MODEL_HEADER, Rule
 from ..decision import BUDGET_SEPARATOR as BUDGET_SEPARATOR
-from ..decision import Decision, Fields
+from ..decision import Decision, Fields, encode
 from ..errors import Reply
 from .route import Meta
 from .snapshot import Snapshot
@@ -83,6 +83,10 @@ class LimitPlan:
     reserve: int = 0  # tokens held on each budget from the decision until the request's entry settles them
 
     def decision(self) -> Decision:
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`decision`'s keyword arguments."""
         m: Fields = {"limit_model": self.model}
         if self.request_limit is not None:
             # Envoy counts; these complete its figures into OpenAI's header values.
@@ -90,12 +94,13 @@ class LimitPlan:
         if self.budgets:
             m["budgets"] = self.budgets
             m["reserved"] = (self.reserve, self.now)  # the amount, and the time whose windows hold it
-        d = Decision(**m)
-        return d | token_headers(self.tightest, self.now) if self.tightest is not None else d
+        if self.tightest is not None:
+            m.update(token_headers(self.tightest, self.now))
+        return m
 
     def metadata(self) -> Meta:
         """:meth:`decision`, encoded."""
-        return self.decision().encode()
+        return encode(self.fields())
 
 
 def applicable(snap: Snapshot, model: str, key_id: str | None) -> tuple[Rule, ...]:
@@ -157,12 +162,12 @@ def duration(seconds: float) -> str:
     return f"{m}m{s}s" if m else f"{s}s"
 
 
-def token_headers(state: BudgetState, now: float) -> Decision:
-    return Decision(
-        x_ratelimit_limit_tokens=str(state.rule.tokens),
-        x_ratelimit_remaining_tokens=str(state.remaining),
-        x_ratelimit_reset_tokens=duration(state.reset_at - now),
-    )
+def token_headers(state: BudgetState, now: float) -> Fields:
+    return {
+        "x_ratelimit_limit_tokens": str(state.rule.tokens),
+        "x_ratelimit_remaining_tokens": str(state.remaining),
+        "x_ratelimit_reset_tokens": duration(state.reset_at - now),
+    }
 
 
 def _window_words(seconds: int) -> str:
@@ -185,7 +190,7 @@ def refusal(state: BudgetState, model: str, family: str, now: float) -> Reply:
     )
     headers = (
         ("retry-after", str(max(1, math.ceil(state.reset_at - now)))),
-        *((k.replace("_", "-"), str(v)) for k, v in token_headers(state, now).encode().items()),
+        *((k.replace("_", "-"), str(v)) for k, v in encode(token_headers(state, now)).items()),
     )
     return Reply(reply.status, reply.body, headers,
                  meta=Decision(limit_refused="tokens", limit_model=model, client_model=model))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..decision import Decision, Fields, Retry
+from ..decision import Decision, Fields, Retry, encode
 from .attempts import Hop, composite_cluster
 from .snapshot import BackendInfo, Snapshot
 
@@ -57,6 +57,10 @@ class ResponsePlan:
         """The decision as Envoy dynamic metadata: read back by the access log
         (metrics, usage records), by the route's response headers (``x_*``
         keys) and by the response processor."""
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`decision`'s keyword arguments."""
         m: Fields = {"kind": self.kind, "family": self.family}
         if self.estimate is not None and self.kind == "routed":
             m["estimate"] = self.estimate
@@ -91,11 +95,11 @@ class ResponsePlan:
             # The response processor stores the answer the client gets under this key.
             m.update({"cache_key": self.cache.key, "cache_ttl_s": self.cache.ttl_s,
                       "cache_max_bytes": self.cache.max_entry_bytes, "x_cache": "miss" if self.cache.read else "bypass"})
-        return Decision(**m)
+        return m
 
     def metadata(self) -> Meta:
         """:meth:`decision`, encoded."""
-        return self.decision().encode()
+        return encode(self.fields())
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +142,14 @@ class Route:
         return composite_cluster(self.backend.name, self.hops) if self.hops else self.backend.name
 
     def decision(self) -> Decision:
-        d = self.plan.decision() if self.plan is not None else Decision(kind="passthrough")
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`decision`'s keyword arguments (one dict: this runs for every routed request)."""
+        m: Fields = self.plan.fields() if self.plan is not None else {"kind": "passthrough"}
         if self.limits is not None:
-            d |= self.limits.decision()
-        m: Fields = {"backend": self.backend.name}
+            m.update(self.limits.fields())
+        m["backend"] = self.backend.name
         if self.hops and self.plan is not None:
             # For the hop filter, in one field (each field costs in every access-log entry):
             # attempt n + 1 goes to hops[n - 1] = [backend, model].
@@ -154,11 +162,11 @@ class Route:
                 m["auth_replaced"] = True  # a hop without a key of its own removes this one
         if self.client_model:
             m.update({"client_model": self.client_model, "upstream_model": self.upstream_model})
-        return d | Decision(**m)
+        return m
 
     def metadata(self) -> Meta:
         """:meth:`decision`, encoded: the metadata Envoy gets."""
-        return self.decision().encode()
+        return encode(self.fields())
 
 
 # The client's address as Envoy reports it to upstreams.

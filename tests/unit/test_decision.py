@@ -57,7 +57,7 @@ def _struct(wire: dict) -> struct_pb2.Struct:
 
 def test_every_field_has_a_value_here_and_the_same_type_as_a_keyword():
     assert set(EVERY) == set(KEYS)
-    keywords = {k: getattr(t, "__forward_arg__", t) for k, t in decision.Fields.__annotations__.items()}
+    keywords = {k: getattr(t, "__forward_arg__", t) + " | None" for k, t in decision.Fields.__annotations__.items()}
     assert keywords == {f.name: f.type for f in dataclasses.fields(Decision)}
 
 
