@@ -1,16 +1,18 @@
 """The decision as it crosses Envoy: one typed codec for the dynamic metadata
 the sidecar writes in the ``contract.NAMESPACE`` namespace.
 
-Routing and the request handler write a :class:`Decision` (``encode`` gives
-the metadata Envoy gets: string, bool and number values under the keys
-below); the response stream, the fallback hop stream, the access log
-(metering, budgets, spans, logs, the sample-ratio check) and the generated
-Envoy configuration read it back (``decode``, from the ``Struct`` or the
-plain mapping they receive). A key no reader knows is dropped on decoding;
-a key that is missing, or whose value has another type, reads as ``None``.
+Routing and the request handler write a decision as its typed keyword
+arguments (:class:`Fields`, or a :class:`Decision` built from them);
+``encode`` gives the metadata Envoy gets (string, bool and number values
+under the keys below). The response stream, the fallback hop stream and the
+access log (metering, budgets, spans, logs, the sample-ratio check) read it
+back (``decode``, from the ``Struct`` or the plain mapping they receive). A
+key no reader knows is dropped on decoding; a key that is missing, or whose
+value has another type, reads as ``None``.
 
-The attributes are the keys. The ``x_*`` keys become response headers in the
-generated Envoy config, which spells them with the constants below.
+The attributes are the keys. The generated Envoy configuration names the
+ones it reads (the ``x_*`` keys become response headers) with the constants
+below.
 """
 
 from __future__ import annotations
