@@ -11,6 +11,8 @@ from typing import Literal
 
 import orjson
 
+from .decision import EMPTY, Decision
+
 Kind = Literal[
     "invalid_request", "invalid_json", "missing_model", "invalid_model", "invalid_multipart", "unauthorized",
     "model_not_permitted", "model_not_found", "unknown_endpoint", "unsupported_model_variant",
@@ -64,7 +66,7 @@ class Reply:
     # Not sent: the experiment whose reserved model this refusal protects.
     reserved_by: str | None = None
     # The decision so far (an arm already chosen), published with the reply.
-    meta: tuple[tuple[str, str | bool], ...] = ()
+    meta: Decision = EMPTY
 
     content_type = "application/json"
 
@@ -76,7 +78,7 @@ def error(kind: Kind, message: str, family: str = "openai", param: str | None = 
     else:
         body = {"error": {"message": message, "type": otype, "param": param, "code": code}}
     retry = _RETRY_AFTER.get(kind)
-    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else (), meta=(("refusal", kind),))
+    return Reply(status, orjson.dumps(body), (("retry-after", retry),) if retry else (), meta=Decision(refusal=kind))
 
 
 def model_not_found(model: str, family: str, reserved_by: str | None = None) -> Reply:

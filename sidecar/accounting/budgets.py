@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from .. import metrics
 from ..config.limits import Rule
-from ..routing.limits import BUDGET_SEPARATOR, BudgetState, LimitPlan, reservation, window_of
+from ..routing.limits import BudgetState, LimitPlan, window_of
 from ..routing.snapshot import Snapshot
 from ..stores import shared_store
 
@@ -102,29 +102,29 @@ class Budgets:
         from .metering import billed
 
         d = e.decision
-        if d.get("kind") == "follow_up":
+        if d.kind == "follow_up":
             self._retrieved(e)
             return
-        model = d.get("limit_model")
+        model = d.limit_model
         if not model:
             return
-        if e.status == 429 and (e.rate_limited or d.get("limit_refused")):
-            kind = "requests" if e.rate_limited else str(d["limit_refused"])
-            metrics.LIMIT_REFUSALS.labels(model, d.get("key_id") or "", kind).inc()
+        if e.status == 429 and (e.rate_limited or d.limit_refused):
+            kind = "requests" if e.rate_limited else str(d.limit_refused)
+            metrics.LIMIT_REFUSALS.labels(model, d.key_id or "", kind).inc()
             if not e.rate_limited:
                 return  # the sidecar refused it: nothing was reserved
-        budgets = d.get("budgets")
+        budgets = d.budgets
         if not budgets:
             return
-        reserved = reservation(d)
+        reserved = d.reserved
         held = reserved or (0, e.start)
-        tokens = billed(e) if d.get("kind") in ("routed", "answered") else None
+        tokens = billed(e) if d.kind in ("routed", "answered") else None
         used = tokens.total if tokens is not None else 0
         if tokens is not None and tokens.estimated and reserved is not None:
             used = min(used, reserved[0])  # an estimate never charges more than was reserved
-        rule_ids = str(budgets).split(BUDGET_SEPARATOR)
+        rule_ids = list(budgets)
         self.charge(rule_ids, used - held[0], held[1])
-        if tokens is not None and tokens.estimated and d.get("background") is True and e.response_id:
+        if tokens is not None and tokens.estimated and d.background is True and e.response_id:
             self._background(e.response_id, rule_ids, used, held[1])
 
     def _background(self, response_id: str, rule_ids: list[str], charged: int, at: float) -> None:
@@ -141,8 +141,8 @@ class Budgets:
     def _retrieved(self, e: Entry) -> None:
         """A follow-up: when it returned a response's usage, the create's
         estimate is settled to it, once (the first such retrieve claims it)."""
-        rid = e.decision.get("response_id")
-        if not isinstance(rid, str) or e.prompt_tokens is None and e.completion_tokens is None:
+        rid = e.decision.response_id
+        if rid is None or e.prompt_tokens is None and e.completion_tokens is None:
             return
         used = (e.prompt_tokens or 0) + (e.completion_tokens or 0)
         if self.snapshot().config.redis is not None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import orjson
 
 if TYPE_CHECKING:  # the worker supervisor logs too, and loads no gRPC
+    from ..decision import Decision
     from .metering import Entry
 
 FORMATS = ("text", "json")
@@ -26,22 +27,25 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 decisions = logging.getLogger("model_router.decisions")
 
-# Decision metadata key -> log field, in the order a line shows them.
-_FIELDS = (
-    ("request_id", "request_id"),
-    ("ingress", "ingress"),
-    ("key_id", "key_id"),
-    ("client_model", "client_model"),
-    ("experiment", "experiment"),
-    ("variant", "variant"),
-    ("assignment", "assignment"),
-    ("suffix", "suffix"),
-    ("upstream_model", "upstream_model"),
-    ("backend", "backend"),
-    ("fallback_from", "fallback_from"),
-    ("kind", "kind"),
-    ("refusal", "refusal"),
-)
+def _fields(d: Decision) -> tuple[tuple[str, str | None], ...]:
+    """The decision's log fields, in the order a line shows them."""
+    return (
+        ("request_id", d.request_id),
+        ("ingress", d.ingress),
+        ("key_id", d.key_id),
+        ("client_model", d.client_model),
+        ("experiment", d.experiment),
+        ("variant", d.variant),
+        ("assignment", d.assignment),
+        ("suffix", d.suffix),
+        ("upstream_model", d.upstream_model),
+        ("backend", d.backend),
+        ("fallback_from", d.fallback_from),
+        ("kind", d.kind),
+        ("refusal", d.refusal),
+    )
+
+
 _REFUSALS = ("refusal", "shed")
 
 
@@ -114,8 +118,7 @@ def setup(requested: str | None = None) -> None:
 
 def decision_fields(entry: Entry) -> dict[str, Any]:
     """What a decision's line says; pure."""
-    d = entry.decision
-    out: dict[str, Any] = {name: d[key] for key, name in _FIELDS if d.get(key) not in (None, "")}
+    out: dict[str, Any] = {name: value for name, value in _fields(entry.decision) if value}
     out["status"] = entry.status
     if entry.total_s is not None:
         out["duration_ms"] = round(entry.total_s * 1000, 3)
@@ -131,10 +134,10 @@ class DecisionLog:
 
     def observe(self, entry: Entry) -> None:
         d = entry.decision
-        kind = d.get("kind")
+        kind = d.kind
         if kind is None:
             return  # Envoy answered without the sidecar
-        refused = bool(d.get("refusal")) or kind in _REFUSALS
+        refused = bool(d.refusal) or kind in _REFUSALS
         level = logging.INFO if refused else logging.DEBUG
         if decisions.isEnabledFor(level):
             decisions.log(level, "refusal" if refused else "decision", extra={"fields": decision_fields(entry)})

@@ -31,6 +31,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from .. import metrics
 from ..contract import NAMESPACE, USAGE_NAMESPACE
+from ..decision import EMPTY, Decision
 
 log = logging.getLogger("model_router.metering")
 
@@ -47,7 +48,7 @@ _SERVED_KINDS = ("routed", "answered", "cache_hit")
 class Entry:
     """What one access-log entry says about one request."""
 
-    decision: Mapping[str, Any]  # the sidecar's metadata; empty: the sidecar never decided
+    decision: Decision  # the sidecar's metadata (a mapping given is decoded); empty: the sidecar never decided
     status: int  # 0: no response was sent
     start: float  # unix time the request arrived
     headers_s: float | None  # to the first byte sent to the client (the response headers)
@@ -68,6 +69,10 @@ class Entry:
     answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
     via_upstream: bool = False  # the status came from the backend, not from Envoy itself
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.decision, Decision):  # a plain mapping of wire values (a test's, a replay's)
+            object.__setattr__(self, "decision", Decision.decode(self.decision))
+
 
 def _seconds(d: Any) -> float | None:  # a protobuf Duration
     return d.seconds + d.nanos / 1e9 if d.ByteSize() else None
@@ -85,7 +90,7 @@ def entry_of(log_entry: Any) -> Entry:
     """Read an ``HTTPAccessLogEntry``; pure."""
     common = log_entry.common_properties
     meta = common.metadata.filter_metadata
-    decision = _plain(meta[NAMESPACE]) if NAMESPACE in meta else {}
+    decision = Decision.decode(meta[NAMESPACE]) if NAMESPACE in meta else EMPTY
     usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
     flags = common.response_flags
     flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
@@ -161,7 +166,7 @@ def billed(entry: Entry) -> Billed:
     Anything else without usage (an error, an engine that reports none) is
     unknown and charged nothing."""
     d = entry.decision
-    kind = d.get("kind")
+    kind = d.kind
     if kind == "follow_up":
         return _UNKNOWN  # a retrieved response repeats the usage of the create that was already counted
     if entry.prompt_tokens is not None or entry.completion_tokens is not None:
@@ -169,14 +174,15 @@ def billed(entry: Entry) -> Billed:
     if kind not in ("routed", "answered"):
         return _UNKNOWN  # no model ran, or it ran for a prompt's size only (count_tokens)
     served = entry.status == 0 or 200 <= entry.status < 300
-    ran = entry.cut or (served and (entry.client_gone or d.get("background") is True))
-    prompt, _, completion = str(d.get("estimate") or "").partition(",")
-    if not ran or not prompt.isdigit() or not completion.isdigit():
+    ran = entry.cut or (served and (entry.client_gone or d.background is True))
+    estimate = d.estimate
+    if not ran or estimate is None:
         return _UNKNOWN
+    prompt, completion = estimate
     if entry.cut and entry.streamed is not None:
         # The router cut it and reset the engine: what it streamed, within the cap.
-        return Billed(int(prompt), min(entry.streamed, int(completion)), True)
-    return Billed(int(prompt), int(completion), True)
+        return Billed(prompt, min(entry.streamed, completion), True)
+    return Billed(prompt, completion, True)
 
 
 def outcome(entry: Entry) -> int:
@@ -186,7 +192,7 @@ def outcome(entry: Entry) -> int:
 
 
 def status_class(entry: Entry) -> str:
-    if entry.local_reply and entry.status >= 400 and entry.decision.get("kind") in _SENT_KINDS:
+    if entry.local_reply and entry.status >= 400 and entry.decision.kind in _SENT_KINDS:
         return "client_error"  # Envoy refused what the client sent, after the decision; no backend ran
     if entry.cut:
         return "server_error"
@@ -199,47 +205,48 @@ def status_class(entry: Entry) -> str:
     return "success"
 
 
-def feedback_record(decision: Mapping[str, Any], start: float) -> dict[str, Any]:
+def feedback_record(decision: Decision, start: float) -> dict[str, Any]:
     """The usage record of accepted feedback (docs/metering.md)."""
     return {
-        "request_id": decision.get("feedback_for"),
+        "request_id": decision.feedback_for,
         "time": datetime.fromtimestamp(start, UTC).isoformat(timespec="milliseconds"),
-        "key_id": decision.get("key_id"),
+        "key_id": decision.key_id,
         "kind": "feedback",
-        "experiment_id": decision.get("experiment"),
-        "experiment_variant_id": decision.get("variant"),
-        "name": decision.get("feedback_name"),
-        "value": decision.get("feedback_value"),
-        "replaces": bool(decision.get("feedback_replaces")),
-        "revision": int(decision.get("feedback_revision") or 1),  # the latest revision is the one that counts
-        "comment": decision.get("feedback_comment"),
-        "feedback_request_id": decision.get("request_id"),
+        "experiment_id": decision.experiment,
+        "experiment_variant_id": decision.variant,
+        "name": decision.feedback_name,
+        "value": decision.feedback_value,
+        "replaces": bool(decision.feedback_replaces),
+        "revision": int(decision.feedback_revision or 1),  # the latest revision is the one that counts
+        "comment": decision.feedback_comment,
+        "feedback_request_id": decision.request_id,
     }
 
 
 def usage_record(entry: Entry) -> dict[str, Any] | None:
     """The usage record of a request the router resolved, or None. Never the key."""
     d = entry.decision
-    kind = d.get("kind")
-    if not d or kind == "listing" or (kind == "refusal" and "experiment" not in d and "client_model" not in d):
+    kind = d.kind
+    if (kind is None and not d) or kind == "listing" or (
+            kind == "refusal" and d.experiment is None and d.client_model is None):
         return None
     if kind == "feedback":
         return feedback_record(d, entry.start)
     tokens = billed(entry)
     return {
-        "request_id": d.get("request_id"),
+        "request_id": d.request_id,
         "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
-        "key_id": d.get("key_id"),
+        "key_id": d.key_id,
         "kind": kind,
-        "client_model": d.get("client_model"),
-        "upstream_model": d.get("upstream_model"),
-        "backend": d.get("backend"),
-        "experiment_id": d.get("experiment"),
-        "experiment_variant_id": d.get("variant"),
-        "assignment": d.get("assignment"),
-        "caller": d.get("caller"),  # the sticky caller's hash: distinct callers in the readout
-        "suffix": d.get("suffix"),
-        "fallback_from": d.get("fallback_from"),
+        "client_model": d.client_model,
+        "upstream_model": d.upstream_model,
+        "backend": d.backend,
+        "experiment_id": d.experiment,
+        "experiment_variant_id": d.variant,
+        "assignment": d.assignment,
+        "caller": d.caller,  # the sticky caller's hash: distinct callers in the readout
+        "suffix": d.suffix,
+        "fallback_from": d.fallback_from,
         "status": outcome(entry),
         "duration_to_headers_ms": round(entry.headers_s * 1000, 3) if entry.headers_s is not None else None,
         "duration_ms": round(entry.total_s * 1000, 3) if entry.total_s is not None else None,
@@ -325,26 +332,26 @@ class Meter:
 
     def _count(self, e: Entry, tally: dict[Any, float]) -> None:
         d = e.decision
-        kind = d.get("kind")
-        backend = d.get("backend")
+        kind = d.kind
+        backend = d.backend
         # Passive health blames a backend for what it did: a failed exchange, or
         # a 5xx it sent. Envoy's own 5xx after the decision (a header it refused
         # to set, say) is not the backend's: a client could otherwise hold any
         # backend out at will.
         failed = e.upstream_failed or (e.status >= 500 and e.via_upstream)
         if kind in _SENT_KINDS and backend and not e.local_reply and failed:
-            self.report_failure(str(backend), e.status or None)
-        suffix = d.get("suffix")
+            self.report_failure(backend, e.status or None)
+        suffix = d.suffix
         if suffix and kind in _SERVED_KINDS:
-            metrics.VARIANT_REQUESTS.labels(suffix, "true" if d.get("suffix_applied", True) else "false").inc()
-        experiment, variant = d.get("experiment"), d.get("variant")
-        if kind in _SERVED_KINDS and d.get("fallback_to"):
-            metrics.FALLBACKS.labels(experiment or "", variant or "", d.get("fallback_from") or "",
-                                     d["fallback_to"], d.get("fallback_reason") or "").inc()
+            metrics.VARIANT_REQUESTS.labels(suffix, "false" if d.suffix_applied is False else "true").inc()
+        experiment, variant = d.experiment, d.variant
+        if kind in _SERVED_KINDS and d.fallback_to:
+            metrics.FALLBACKS.labels(experiment or "", variant or "", d.fallback_from or "",
+                                     d.fallback_to, d.fallback_reason or "").inc()
         if not experiment or not variant:
             return
         if kind in _COUNTED_KINDS:
-            child = metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.get("assignment") or "sticky")
+            child = metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.assignment or "sticky")
             tally[child] = tally.get(child, 0) + 1
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._proto import otlp_pb2 as otlp
+from ..decision import Decision
 from .metering import Entry, status_class
 
 SPAN_NAME = "router.request"
@@ -43,28 +44,29 @@ _OPERATIONS = {
     "/v1/embeddings": "embeddings",
 }
 
-# Decision metadata key -> span attribute, copied when present.
-_FROM_DECISION = (
-    ("experiment", "router.experiment"),
-    ("variant", "router.experiment_variant"),
-    ("assignment", "router.assignment"),
-    ("client_model", "gen_ai.request.model"),
-    ("upstream_model", "gen_ai.response.model"),
-    ("upstream_model", "router.upstream_model"),
-    ("backend", "router.backend"),
-    ("suffix", "router.suffix"),
-    ("suffix_applied", "router.suffix_applied"),
-    ("fallback_from", "router.fallback_from"),
-    ("fallback_to", "router.fallback_to"),
-    ("fallback_reason", "router.fallback_reason"),
-    ("kind", "router.kind"),
-    ("refusal", "router.refusal"),
-    ("ingress", "router.ingress"),
-    ("request_id", "router.request_id"),
-    ("key_id", "router.key_id"),
-    ("family", "gen_ai.provider.name"),
-    ("family", "gen_ai.system"),  # the older name of gen_ai.provider.name, which many backends still read
-)
+def _from_decision(d: Decision) -> tuple[tuple[str, str | bool | None], ...]:
+    """Span attributes copied from the decision (those it has)."""
+    return (
+        ("router.experiment", d.experiment),
+        ("router.experiment_variant", d.variant),
+        ("router.assignment", d.assignment),
+        ("gen_ai.request.model", d.client_model),
+        ("gen_ai.response.model", d.upstream_model),
+        ("router.upstream_model", d.upstream_model),
+        ("router.backend", d.backend),
+        ("router.suffix", d.suffix),
+        ("router.suffix_applied", d.suffix_applied),
+        ("router.fallback_from", d.fallback_from),
+        ("router.fallback_to", d.fallback_to),
+        ("router.fallback_reason", d.fallback_reason),
+        ("router.kind", d.kind),
+        ("router.refusal", d.refusal),
+        ("router.ingress", d.ingress),
+        ("router.request_id", d.request_id),
+        ("router.key_id", d.key_id),
+        ("gen_ai.provider.name", d.family),
+        ("gen_ai.system", d.family),  # the older name of gen_ai.provider.name, which many backends still read
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,38 +139,40 @@ def add_attributes(into: Any, items: Mapping[str, Any]) -> None:
             value.string_value = str(v)
 
 
-def _answer_attributes(decision: Mapping[str, Any], answer: Mapping[str, str]) -> dict[str, Any]:
+def _answer_attributes(decision: Decision, answer: Mapping[str, str]) -> dict[str, Any]:
     """What the answer says about itself. The model is the one that answered,
     unless the body was renamed to the client's name on its way out."""
     attrs: dict[str, Any] = {}
     if "response_id" in answer:
         attrs["gen_ai.response.id"] = answer["response_id"]
     model = answer.get("response_model")
-    if model and model != decision.get("client_model"):
+    if model and model != decision.client_model:
         attrs["gen_ai.response.model"] = model
     if "finish_reason" in answer:
         attrs["gen_ai.response.finish_reasons"] = [answer["finish_reason"]]
     return attrs
 
 
-def error_type(decision: Mapping[str, Any], status: int, failed: bool) -> str | None:
+def error_type(decision: Decision | Mapping[str, Any], status: int, failed: bool) -> str | None:
     """``error.type`` for a request that ended in an error (None otherwise):
     the router's refusal code, else the status code, else ``_OTHER``."""
     if not (status >= 500 or failed or (status == 0)):
         return None
-    return str(decision.get("refusal") or (status if status else "_OTHER"))
+    if not isinstance(decision, Decision):
+        decision = Decision.decode(decision)
+    return str(decision.refusal or (status if status else "_OTHER"))
 
 
-def span_attributes(decision: Mapping[str, Any], status: int, prompt_tokens: int | None,
+def span_attributes(decision: Decision, status: int, prompt_tokens: int | None,
                     completion_tokens: int | None, answer: Mapping[str, str] | None = None,
                     server: tuple[str, int] | None = None) -> dict[str, Any]:
     attrs: dict[str, Any] = {}
-    operation = _OPERATIONS.get(str(decision.get("ingress", "")))
+    operation = _OPERATIONS.get(decision.ingress or "")
     if operation is not None:
         attrs["gen_ai.operation.name"] = operation
-    for key, name in _FROM_DECISION:
-        if key in decision:
-            attrs[name] = decision[key]
+    for name, value in _from_decision(decision):
+        if value is not None:
+            attrs[name] = value
     if status:
         attrs["http.response.status_code"] = status
     if prompt_tokens is not None:
@@ -209,7 +213,7 @@ def sampled(entry: Entry, sampler: Sampler, new_id: Callable[[int], bytes] = os.
     if not entry.decision:
         return None
     parent = parse_traceparent(entry.traceparent, entry.tracestate)
-    if parent is not None and entry.decision.get("span_id") == parent.span_id.hex():
+    if parent is not None and entry.decision.span_id == parent.span_id.hex():
         # The router made this context and sent it upstream: its span is the root.
         return Context(parent.trace_id, None, parent.span_id) if sampler.sample(None, parent.trace_id) else None
     trace_id = parent.trace_id if parent is not None else new_id(16)
@@ -236,8 +240,8 @@ def build(entry: Entry, ctx: Context, new_id: Callable[[int], bytes] = os.urando
         flags=_SAMPLED | _HAS_IS_REMOTE | (_IS_REMOTE if parent is not None else 0),
     )
     decision = entry.decision
-    backend = decision.get("backend")
-    server = server_of(backend) if isinstance(backend, str) else None
+    backend = decision.backend
+    server = server_of(backend) if backend is not None else None
     failed = status_class(entry) == "server_error" or entry.upstream_failed
     attrs = span_attributes(decision, entry.status, entry.prompt_tokens, entry.completion_tokens, entry.answer, server)
     if failed:
@@ -248,7 +252,7 @@ def build(entry: Entry, ctx: Context, new_id: Callable[[int], bytes] = os.urando
         span.trace_state = parent.state
     if failed:
         span.status.code = otlp.Status.STATUS_CODE_ERROR
-        span.status.message = decision.get("refusal") or f"status {entry.status}"
+        span.status.message = decision.refusal or f"status {entry.status}"
     return span
 
 

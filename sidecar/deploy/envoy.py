@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from .. import decision
 from ..config import address
 from ..config.schema import RESERVED_BACKEND_NAME, Config, Server
 from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S, REPLY_NAMESPACE, RESPONSE_HEADER, USAGE_NAMESPACE
@@ -104,20 +105,20 @@ def _backend_cluster(name: str, url: str, buffer_limit: int) -> dict[str, Any]:
 
 # The decision's metadata keys that become response headers.
 _ATTRIBUTION_KEYS = {
-    "x-continuum-experiment": "x_experiment",
-    "x-continuum-experiment-variant": "x_experiment_variant",
-    "x-continuum-model-variant": "x_model_variant",
-    "x-continuum-model-variant-applied": "x_model_variant_applied",
-    "x-continuum-fallback-model": "x_fallback_model",
-    EXPLAIN_HEADER: "x_explain",
-    CACHE_HEADER: "x_cache",
+    "x-continuum-experiment": decision.X_EXPERIMENT,
+    "x-continuum-experiment-variant": decision.X_EXPERIMENT_VARIANT,
+    "x-continuum-model-variant": decision.X_MODEL_VARIANT,
+    "x-continuum-model-variant-applied": decision.X_MODEL_VARIANT_APPLIED,
+    "x-continuum-fallback-model": decision.X_FALLBACK_MODEL,
+    EXPLAIN_HEADER: decision.X_EXPLAIN,
+    CACHE_HEADER: decision.X_CACHE,
 }
 RESPONSE_FILTER = "envoy.filters.http.ext_proc/response"
 
 
 # Anthropic ingresses also return the request id as ``request-id`` (what the
 # Anthropic SDK reads); the OpenAI SDK reads ``x-request-id``, always sent.
-_ANTHROPIC_REQUEST_ID = ("request-id", "x_request_id")
+_ANTHROPIC_REQUEST_ID = ("request-id", decision.X_REQUEST_ID)
 
 
 def _attribution_headers() -> list[dict[str, Any]]:

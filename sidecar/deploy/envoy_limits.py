@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import decision
 from ..config.limits import (
     KEY_ENTRY,
     KEY_HEADER,
@@ -32,9 +33,9 @@ _T = "type.googleapis.com/"
 _RAW = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")  # the filter's own names
 REQUEST_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
 TOKEN_HEADERS = {
-    "x-ratelimit-limit-tokens": "x_ratelimit_limit_tokens",
-    "x-ratelimit-remaining-tokens": "x_ratelimit_remaining_tokens",
-    "x-ratelimit-reset-tokens": "x_ratelimit_reset_tokens",
+    "x-ratelimit-limit-tokens": decision.X_RATELIMIT_LIMIT_TOKENS,
+    "x-ratelimit-remaining-tokens": decision.X_RATELIMIT_REMAINING_TOKENS,
+    "x-ratelimit-reset-tokens": decision.X_RATELIMIT_RESET_TOKENS,
 }
 # Request headers that must never reach a backend.
 INTERNAL_REQUEST_HEADERS = (MODEL_HEADER, KEY_HEADER, SHARED_MODEL_HEADER, SHARED_KEY_HEADER)
@@ -97,8 +98,8 @@ def filters(config: Config) -> list[dict[str, Any]]:
     # decision (Envoy writes draft 03's "4, 4;w=60"); the reset count becomes a
     # duration only when the decision says a rate applies (else the header
     # stays empty, so unsent).
-    reset = f"%RESP(x-ratelimit-reset)%%DYNAMIC_METADATA({NAMESPACE}:x_rl_unit)%"
-    values = (f"%DYNAMIC_METADATA({NAMESPACE}:x_rl_limit)%", "%RESP(x-ratelimit-remaining)%", reset)
+    reset = f"%RESP(x-ratelimit-reset)%%DYNAMIC_METADATA({NAMESPACE}:{decision.X_RL_UNIT})%"
+    values = (f"%DYNAMIC_METADATA({NAMESPACE}:{decision.X_RL_LIMIT})%", "%RESP(x-ratelimit-remaining)%", reset)
     local = [] if not descriptors else [{
         "name": "envoy.filters.http.local_ratelimit",
         "typed_config": {
@@ -149,7 +150,7 @@ def reply_mappers(anthropic: dict[str, Any]) -> list[dict[str, Any]]:
     status = {"status_code_filter": {"comparison": {
         "op": "EQ", "value": {"default_value": 429, "runtime_key": "model_router.local_reply_status_429"},
     }}}
-    message = (f"Rate limit reached for the model '%DYNAMIC_METADATA({NAMESPACE}:limit_model)%': too many "
+    message = (f"Rate limit reached for the model '%DYNAMIC_METADATA({NAMESPACE}:{decision.LIMIT_MODEL})%': too many "
                "requests. The x-ratelimit-reset-requests header says when the limit resets.")
     openai = {"error": {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
     claude = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}

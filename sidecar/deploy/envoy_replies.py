@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import decision
 from ..contract import REPLY_NAMESPACE as NAMESPACE
 from . import envoy_limits
 
-_ROUTED_MODEL = f"%DYNAMIC_METADATA({NAMESPACE}:client_model)%"
+_ROUTED_MODEL = f"%DYNAMIC_METADATA({NAMESPACE}:{decision.CLIENT_MODEL})%"
 
 # The OpenAI and Anthropic SDKs retry a 504 unless told not to: a timeout the
 # router produced would only run the same long request again upstream.
@@ -109,14 +110,14 @@ def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
     # /anthropic/v1/messages to the backend's /v1/messages); the path before that.
     anthropic = {"or_filter": {"filters": [
         {"metadata_filter": {
-            "matcher": {"filter": NAMESPACE, "path": [{"key": "family"}],
+            "matcher": {"filter": NAMESPACE, "path": [{"key": decision.FAMILY}],
                         "value": {"string_match": {"exact": "anthropic"}}},
             "match_if_key_not_found": False,
         }},
         {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/anthropic/"}}}},
     ]}}
-    mappers: list[dict[str, Any]] = [{"filter": _meta_present("reply")}, *envoy_limits.reply_mappers(anthropic)]
-    routed = _meta_present("client_model")
+    mappers: list[dict[str, Any]] = [{"filter": _meta_present(decision.REPLY)}, *envoy_limits.reply_mappers(anthropic)]
+    routed = _meta_present(decision.CLIENT_MODEL)
     for reply in _routed_replies():
         mappers += _mappers(reply, anthropic, routed)
     for reply in _replies(max_body_bytes):

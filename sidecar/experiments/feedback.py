@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 from prometheus_client import Counter, Histogram
 
 from .. import errors
+from ..decision import EMPTY, Decision, Fields
 from ..errors import Reply
 from ..metrics import REGISTRY
 from .join import JoinStore, Served, Unavailable
@@ -162,15 +163,15 @@ class Feedback:
         if config.feedback_metrics and request_id and experiment and variant:
             self.join.record(config, request_id, Served(owner, experiment, variant))
 
-    async def handle(self, config: Config, method: str, owner: str, body: bytes) -> tuple[Reply, dict[str, Any]]:
+    async def handle(self, config: Config, method: str, owner: str, body: bytes) -> tuple[Reply, Decision]:
         """The answer to a feedback call and the metadata its usage record is made from."""
         if method.upper() != "POST":
             REFUSED.labels("invalid").inc()
-            return errors.error("method_not_allowed", "Feedback is sent with POST.", "openai"), {}
+            return errors.error("method_not_allowed", "Feedback is sent with POST.", "openai"), EMPTY
         given = errors.too_large(MAX_BODY, "openai") if len(body) > MAX_BODY else parse(body, config)
         if isinstance(given, Reply):
             REFUSED.labels("invalid").inc()
-            return given, {}
+            return given, EMPTY
         try:
             served = await self.join.find(config, given.request_id)
             stored = None
@@ -179,19 +180,18 @@ class Feedback:
         except Unavailable:
             REFUSED.labels("unavailable").inc()
             return errors.error("feedback_unavailable", "Feedback cannot be recorded right now; retry shortly.",
-                                "openai"), {}
+                                "openai"), EMPTY
         if served is None or stored is None:
             REFUSED.labels("unknown").inc()
-            return not_found(given.request_id), {}
+            return not_found(given.request_id), EMPTY
         previous = stored.previous
         _count(served, given, previous)
-        meta: dict[str, Any] = {"kind": "feedback", "feedback_for": given.request_id, "experiment": served.experiment,
-                                "variant": served.variant, "feedback_name": given.name,
-                                "feedback_value": given.value, "feedback_replaces": previous is not None,
-                                "feedback_revision": stored.revision}
+        meta: Fields = {"kind": "feedback", "feedback_for": given.request_id, "experiment": served.experiment,
+                        "variant": served.variant, "feedback_name": given.name, "feedback_value": given.value,
+                        "feedback_replaces": previous is not None, "feedback_revision": stored.revision}
         if given.comment is not None:
             meta["feedback_comment"] = given.comment
-        return _accepted(given, previous is not None), meta
+        return _accepted(given, previous is not None), Decision.of(meta)
 
 
 def _count(served: Served, given: Given, previous: float | None) -> None:

@@ -203,10 +203,10 @@ class Tracker:
     def observe(self, entry: Entry) -> None:
         """An access-log entry: a 2xx an arm served to a sticky caller adds that caller."""
         d = entry.decision
-        experiment, variant, caller = d.get("experiment"), d.get("variant"), d.get("caller")
-        if (experiment and variant and isinstance(caller, str) and d.get("kind") in ("routed", "answered")
+        experiment, variant, caller = d.experiment, d.variant, d.caller
+        if (experiment and variant and caller is not None and d.kind in ("routed", "answered")
                 and status_class(entry) == "success"):
-            self.add(str(experiment), str(variant), caller)
+            self.add(experiment, variant, caller)
 
     def add(self, experiment: str, variant: str, caller: str) -> None:
         """A caller an arm served (``caller``: the hex digits the decision publishes)."""

@@ -21,16 +21,14 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from .. import decision
+
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 LIMIT = 4096  # shapes kept per table before starting over
 
-# Decision fields whose values are (nearly) unique to one request. A new field
-# of that kind belongs here: left out, every request would build its own
-# skeleton (still correct, but as slow as building the answer field by field).
-PER_REQUEST = frozenset((
-    "request_id", "x_request_id", "key_id", "caller", "x_explain", "cache_key", "span_id", "estimate", "reserved",
-    "not_found", "response_id",
-))
+# Decision fields whose values are (nearly) unique to one request
+# (``decision.PER_REQUEST``): set on a copy of the shape's skeleton.
+PER_REQUEST = decision.PER_REQUEST
 
 
 def header_mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:

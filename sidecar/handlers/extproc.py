@@ -20,7 +20,9 @@ import logging
 import os
 import random
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import replace
+from typing import Any, cast
 
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -32,17 +34,19 @@ from google.protobuf import duration_pb2, struct_pb2
 from .. import errors, metrics, routing
 from ..accounting.spans import upstream_traceparent
 from ..backends import websearch
+from ..decision import EMPTY, X_RL_LIMIT, X_RL_UNIT, Decision, Fields, encode
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
 from ..payload import response_ids
 from ..payload.json_budget import Budget
 from ..payload.rewrite import rewrite_json_body
 from ..routing import dispatch, explain
-from ..routing.ingress import canonical, family_for
+from ..routing.context import Caller
+from ..routing.ingress import Ingress, canonical, family_for
 from ..routing.limits import refusal as budget_refusal
 from ..routing.shadow import SHADOW_HEADER
 from ..routing.shadow import draw as shadow_draw
-from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER
+from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER, Snapshot
 from ..routing.trace import Trace
 from ..stores.cache import ResponseCache
 from .answer_parts import AnswerParts, header_mutation
@@ -83,18 +87,18 @@ _MODE_NOTHING_MORE = _P(
 )
 
 
-def _struct(namespaces: dict) -> struct_pb2.Struct:
+def _struct(namespaces: dict[str, Any]) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.update(namespaces)
     return md
 
 
-def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
+def immediate(reply: Reply, meta: Decision = EMPTY, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
     """The sidecar's own answer. Its metadata marks it as ours (Envoy's
     local-reply mapping leaves it alone) and carries the decision so far."""
-    md = {"reply": "sidecar", "kind": "refusal" if reply.status >= 400 else "answered", **dict(reply.meta), **(meta or {})}
-    for k in [k for k in md if k.startswith("x_rl_")]:
-        del md[k]  # no request-rate filter ran on this answer: it carries no rate headers
+    md = Decision(reply="sidecar", kind="refusal" if reply.status >= 400 else "answered") | reply.meta | meta
+    # No request-rate filter ran on this answer: it carries no rate headers.
+    md = md.without(X_RL_UNIT, X_RL_LIMIT)
     typed = any(k == "content-type" for k, _ in reply.headers)
     resp = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
@@ -103,7 +107,7 @@ def immediate(reply: Reply, meta: dict | None = None, usage: struct_pb2.Struct |
             body=reply.body,
             details=f"model_router_{reply.status}",
         ),
-        dynamic_metadata=_struct({NAMESPACE: md}),
+        dynamic_metadata=_struct({NAMESPACE: md.encode()}),
     )
     if usage is not None:
         resp.dynamic_metadata.MergeFrom(usage)
@@ -119,9 +123,9 @@ class _Stream:
     )
 
     def __init__(self) -> None:
-        self.snap = None
+        self.snap = cast("Snapshot", None)  # set at the request headers, before anything reads it
         self.head: dispatch.Head | None = None
-        self.ingress = None
+        self.ingress: Ingress | None = None
         self.family = "openai"
         self.passthrough = False
         self.headers: dict[str, str] = {}
@@ -129,14 +133,18 @@ class _Stream:
         self.header_bytes = 0
         self.path = "/"
         self.raw_path = "/"
-        self.caller = None
+        self.caller: Caller | None = None
         self.route: routing.Route | None = None
         self.trace: Trace | None = None  # an operator asked for this request's decision trace
         self.span_id: str | None = None  # the router's span, named upstream when the client sent no traceparent
 
-    def meta(self) -> dict:
+    def meta(self) -> Decision:
         """What every answer on this stream publishes besides the decision."""
-        out: dict = {}
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`meta`'s keyword arguments."""
+        out: Fields = {}
         rid = self.headers.get("x-request-id")
         if rid:
             out["request_id"] = rid
@@ -173,13 +181,13 @@ def _read_headers(st: _Stream, msg: pb.HttpHeaders) -> dict[str, str]:
 _SILENT = object()  # no message within the silence limit
 
 
-def _retrieved(task: asyncio.Future) -> None:
+def _retrieved(task: asyncio.Future[Any]) -> None:
     """Mark a read's outcome as seen, so an abandoned one is not logged as never retrieved."""
     if not task.cancelled():
         task.exception()
 
 
-async def _next(messages, timeout: float | None):
+async def _next(messages: AsyncIterator[pb.ProcessingRequest], timeout: float | None) -> Any:
     """The next message from Envoy, None at the stream's end, or ``_SILENT``
     when ``timeout`` seconds pass without one."""
     if timeout is None:
@@ -204,7 +212,7 @@ async def _next(messages, timeout: float | None):
         return None
 
 
-class Processor(pbg.ExternalProcessorServicer):
+class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, runtime: HandlerRuntime) -> None:
         self.runtime = runtime
         self._counter = 0
@@ -214,10 +222,11 @@ class Processor(pbg.ExternalProcessorServicer):
         self.feedback = Feedback()
         self.json_budget = Budget()
         self.parts = AnswerParts()
-        self._stores: set[asyncio.Task] = set()  # writes under way (held so none is collected mid-write)
+        self._stores: set[asyncio.Task[None]] = set()  # writes under way (held so none is collected mid-write)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)  # read at scrape time, not per stream
 
-    async def Process(self, request_iterator, context):
+    async def Process(self, request_iterator: AsyncIterable[pb.ProcessingRequest],
+                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream()
         response: ResponseStream | None = None
         silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
@@ -278,7 +287,9 @@ class Processor(pbg.ExternalProcessorServicer):
                     plan = st.route.plan if st.route is not None else None
                     if plan is not None and plan.suffix == "online":
                         # The sidecar answers this one itself; keep Envoy waiting for it.
-                        deadline = st.snap.config.web_search.deadline_s + 5
+                        search = st.snap.config.web_search
+                        assert search is not None  # :online is served only with a search provider
+                        deadline = search.deadline_s + 5
                         yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
                         resp = await self._online(st, body)
                     elif plan is not None and plan.cache is not None and plan.cache.read:
@@ -295,22 +306,22 @@ class Processor(pbg.ExternalProcessorServicer):
                         return
                 elif kind == "response_headers":
                     # A response stream (the upstream filter), opened only for rewrites.
-                    plan = rewrite_of(req.metadata_context)
-                    if plan is None:
+                    rewrite = rewrite_of(req.metadata_context)
+                    if rewrite is None:
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                         return
-                    if plan.not_found is not None:
+                    if rewrite.not_found is not None:
                         if header_map(req.response_headers).get(":status") == "404":
                             # The engine lost it: the router's own answer, the one an id never issued gets.
-                            yield immediate(errors.response_not_found(plan.not_found))
+                            yield immediate(errors.response_not_found(rewrite.not_found))
                             return
-                        if replace(plan, not_found=None) == Rewrite(None, plan.family, False):
+                        if replace(rewrite, not_found=None) == Rewrite(None, rewrite.family, False):
                             # Only the status mattered: the body goes on unseen.
                             yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
                                                         mode_override=_MODE_NOTHING_MORE)
                             return
-                    tagger = response_ids.tagger(plan.id_tag, self.runtime.snapshot.id_key)
-                    response = ResponseStream(replace(plan, tagger=tagger))
+                    tagger = response_ids.tagger(rewrite.id_tag, self.runtime.snapshot.id_key)
+                    response = ResponseStream(replace(rewrite, tagger=tagger))
                     yield response.headers(req.response_headers)
                     if response.finished:
                         return
@@ -351,7 +362,7 @@ class Processor(pbg.ExternalProcessorServicer):
         metrics.SHED.inc()
         path = header_map(msg).get(":path", "/")
         reply = errors.error("overloaded", "The router is at capacity; retry shortly.", family_for(canonical(path)))
-        return immediate(reply, {"kind": "shed"})
+        return immediate(reply, Decision(kind="shed"))
 
     def _request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.
@@ -374,7 +385,7 @@ class Processor(pbg.ExternalProcessorServicer):
         if head.kind == "listing":
             assert isinstance(head.outcome, Reply)
             metrics.DECISIONS.labels("listing").inc()
-            return immediate(head.outcome, {**st.meta(), "kind": "listing"})
+            return immediate(head.outcome, st.meta() | Decision(kind="listing"))
         if head.kind == "passthrough":
             st.passthrough = True
             if isinstance(head.outcome, Reply):
@@ -395,6 +406,7 @@ class Processor(pbg.ExternalProcessorServicer):
 
     def _pass(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         """A path outside the ingress table, judged on the models it names."""
+        assert st.head is not None
         route = dispatch.at_body(st.snap, st.head, body, st.headers, dispatch.Live(), st.trace)
         return self._routed_now(st, route, "passthrough", phase)
 
@@ -416,8 +428,9 @@ class Processor(pbg.ExternalProcessorServicer):
             now=time.time(), pick=self._counter, rand=self._rand.random(),
             states=self.runtime.backend_states(), mono=time.monotonic(), spent=self.runtime.budgets.spent,
         )
+        assert st.head is not None
         try:
-            route = dispatch.at_body(st.snap, st.head, body, st.headers, live, st.trace)
+            route: routing.Route | Reply = dispatch.at_body(st.snap, st.head, body, st.headers, live, st.trace)
         except Exception:
             log.exception("decision failed for %s", st.path.partition("?")[0])
             route = errors.error("internal", "The router could not process this request.", st.family)
@@ -437,7 +450,12 @@ class Processor(pbg.ExternalProcessorServicer):
         self._remember(st, route)
         if route.limits is not None and route.limits.budgets:
             self.runtime.budgets.reserve(route.limits)  # in the step whose decision admitted it
-        md = {**route.metadata(), **st.meta(), **self._explained(st, route)}
+        m = route.fields()  # (one dict to the wire, no Decision built: this runs for every routed request)
+        m.update(st.fields())
+        explained = self._explained(st, route)
+        if explained is not None:
+            m["x_explain"] = explained
+        md = encode(m)
         return self.parts.routed(phase, _MODE_NOTHING_MORE, NAMESPACE, md, *headers, route.body)
 
     async def _shared_budgets(self, st: _Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
@@ -454,17 +472,19 @@ class Processor(pbg.ExternalProcessorServicer):
 
     async def _online(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         route = st.route
-        snap = st.snap
+        assert route is not None and route.plan is not None
+        search = st.snap.config.web_search
+        assert search is not None
         request = orjson.loads(route.body if route.body is not None else body)
         headers = {"content-type": "application/json", **dict(route.set_headers)}
         reply = await websearch.run(
-            self.runtime.http_session(), snap.config.web_search, route.backend,
-            route.path or st.path, headers, request, route.plan.rewrite_model,
+            self.runtime.http_session(), search, route.backend,
+            route.path or st.path, headers, request, cast(str, route.plan.rewrite_model),  # set with the suffix
         )
         if reply.status >= 500:
             self.runtime.report_response(route.backend.name, reply.status)
         _, usage = rewrite_json_body(reply.body, None, "openai")
-        meta = {**route.metadata(), **st.meta(), "kind": route.plan.kind}
+        meta = route.decision() | st.meta() | Decision(kind=route.plan.kind)
         if st.trace is not None:
             reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, st.trace.summary()),))
         return immediate(reply, meta, usage_metadata(usage) if usage.seen else None)
@@ -473,15 +493,17 @@ class Processor(pbg.ExternalProcessorServicer):
         """A cache hit's answer (no upstream call), or None to send the request on.
         The entry holds the backend's answer; this request's rename applies."""
         route = st.route
+        assert route is not None and route.plan is not None
         plan = route.plan
+        assert plan.cache is not None
         entry = await self.cache.get(st.snap.config, plan.cache.key, plan.experiment or "", plan.variant or "")
         if entry is None:
             return None
         body = entry.body if plan.rewrite_model is None else rewrite_json_body(entry.body, plan.rewrite_model, plan.family)[0]
         reply = Reply(entry.status, body, headers=(("content-type", entry.content_type),))
-        meta = {**route.metadata(), **st.meta(), "kind": "cache_hit", "x_cache": "hit"}
+        meta = route.decision() | st.meta() | Decision(kind="cache_hit", x_cache="hit")
         if st.trace is not None:
-            meta["x_explain"] = st.trace.summary()
+            meta |= Decision(x_explain=st.trace.summary())
         return immediate(reply, meta)
 
     def _store(self, response: ResponseStream) -> None:
@@ -517,13 +539,13 @@ class Processor(pbg.ExternalProcessorServicer):
         if not msg.end_of_stream:
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_MODE_BODY_NEXT)
         method = st.headers.get(":method", "GET").upper()
-        kind = "method_not_allowed" if method != "POST" else "invalid_feedback"
+        kind: errors.Kind = "method_not_allowed" if method != "POST" else "invalid_feedback"
         message = "Feedback is sent with POST." if method != "POST" else "The body must be a JSON object."
         return immediate(errors.error(kind, message, "openai"), st.meta())
 
     async def _feedback(self, st: _Stream, body: bytes) -> pb.ProcessingResponse:
         reply, meta = await self.feedback.handle(st.snap.config, st.headers.get(":method", "POST"), self._owner(st), body)
-        return immediate(reply, {**st.meta(), **meta})
+        return immediate(reply, st.meta() | meta)
 
     @staticmethod
     def _canonical_path(st: _Stream, route: routing.Route) -> None:
@@ -551,7 +573,7 @@ class Processor(pbg.ExternalProcessorServicer):
             if copy_to is not None and info is not None:
                 shared += ((SHADOW_HEADER, copy_to),)  # the routes' mirror policy copies the request there
                 metrics.SHADOW_COPIES.labels(info.config.name, info.config.shadows[0].id).inc()
-        own = []
+        own: list[tuple[str, str]] = []
         if route.path is not None:
             own.append((":path", route.path))
         if route.body is not None:
@@ -579,19 +601,19 @@ class Processor(pbg.ExternalProcessorServicer):
         return shared, remove, own
 
     @staticmethod
-    def _explained(st: _Stream, result: routing.Route | Reply) -> dict:
-        """The trace summary's metadata (Envoy sends it back as a response header),
-        when an operator asked for it."""
+    def _explained(st: _Stream, result: routing.Route | Reply) -> str | None:
+        """The trace summary (the decision's ``x_explain``: Envoy sends it back
+        as a response header), when an operator asked for it."""
         if st.trace is None:
-            return {}
+            return None
         st.trace.conclude(result)
-        return {"x_explain": st.trace.summary()}
+        return st.trace.summary()
 
     def _refuse(self, reply: Reply, st: _Stream) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
         explained = self._explained(st, reply)
-        if explained:
-            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained["x_explain"]),))
+        if explained is not None:
+            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained),))
         return immediate(reply, st.meta())

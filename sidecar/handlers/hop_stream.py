@@ -20,6 +20,7 @@ from google.protobuf import struct_pb2
 
 from .. import metrics
 from ..contract import ATTEMPT_HEADER as ATTEMPT_HEADER
+from ..decision import Decision
 from ..routing.retarget import retarget
 from ..routing.snapshot import Snapshot
 from .response_stream import NAMESPACE, header_map
@@ -45,7 +46,7 @@ class HopStream:
         self.report_failure = report_failure
         value = header_map(first.request_headers).get(ATTEMPT_HEADER, "")
         self.attempt = int(value) if value.isdigit() else 0
-        self.decision = _plain(first.metadata_context.filter_metadata[NAMESPACE])
+        self.decision = Decision.decode(first.metadata_context.filter_metadata[NAMESPACE])
 
     def headers(self) -> pb.ProcessingResponse:
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -61,15 +62,15 @@ class HopStream:
             return pb.ProcessingResponse(request_body=pb.BodyResponse())
         # The access log sees the last attempt only: the failed one's backend
         # is held out here, as a reset would hold it out (its status is unknown).
-        previous = self.decision.get("backend")
+        previous = self.decision.backend
         if previous:
-            self.report_failure(str(previous), None)
+            self.report_failure(previous, None)
         common = pb.CommonResponse(
             header_mutation=_mutation(((":path", hop.path), *hop.set_headers), hop.remove_headers),
         )
         common.body_mutation.body = hop.body
         md = struct_pb2.Struct()
-        md.update({NAMESPACE: dict(hop.meta)})
+        md.update({NAMESPACE: hop.decision.encode()})
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
 
 
@@ -79,10 +80,3 @@ def _mutation(sets: Iterable[tuple[str, str]], removes: Iterable[str]) -> pb.Hea
         m.set_headers.add(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
     return m
 
-
-def _plain(struct: struct_pb2.Struct) -> dict:
-    out: dict = {}
-    for k, v in struct.fields.items():
-        which = v.WhichOneof("kind")
-        out[k] = v.string_value if which == "string_value" else v.bool_value if which == "bool_value" else None
-    return out

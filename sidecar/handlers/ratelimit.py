@@ -29,12 +29,12 @@ _R = rls_pb2.RateLimitResponse
 _UNIT = {1: _R.RateLimit.SECOND, 60: _R.RateLimit.MINUTE}
 
 
-class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, snapshot: Callable[[], Snapshot], clock: Callable[[], float] = time.time) -> None:
         self.snapshot = snapshot
         self.clock = clock
 
-    async def ShouldRateLimit(self, request, context):
+    async def ShouldRateLimit(self, request: rls_pb2.RateLimitRequest, context: object) -> rls_pb2.RateLimitResponse:
         snap = self.snapshot()
         rules = {(r.model, r.key_id): r for rs in snap.limits.values() for r in rs if r.shared and r.rate}
         matched: list[Rule | None] = []

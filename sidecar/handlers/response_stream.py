@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -28,6 +29,7 @@ from .. import errors
 from ..contract import NAMESPACE as NAMESPACE
 from ..contract import RESPONSE_HEADER as RESPONSE_HEADER
 from ..contract import USAGE_NAMESPACE as USAGE_NAMESPACE
+from ..decision import Decision
 from ..payload.rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
 from ..stores.cache import Entry, storable
 
@@ -79,33 +81,28 @@ class Rewrite:
     background: bool = False  # a background create: publish its engine's id (budgets settle it on retrieve)
 
 
-def rewrite_of(metadata_context) -> Rewrite | None:
+def rewrite_of(metadata_context: Any) -> Rewrite | None:
     """The rewrite the request's decision published, or None when it asked for none."""
     ns = metadata_context.filter_metadata.get(NAMESPACE)
     if ns is None:
         return None
-    fields = ns.fields
-    model = fields["rewrite_model"].string_value if "rewrite_model" in fields else ""
-    strip = fields["strip_usage"].bool_value if "strip_usage" in fields else False
-    family = fields["family"].string_value if "family" in fields else "openai"
-    tag = fields["id_tag"].string_value if "id_tag" in fields else ""
-    not_found = fields["not_found"].string_value if "not_found" in fields else ""
-    store = _store_of(fields)
+    d = Decision.decode(ns)
+    model = d.rewrite_model or ""
+    strip = d.strip_usage or False
+    family = d.family if d.family is not None else "openai"
+    tag = d.id_tag or ""
+    not_found = d.not_found or ""
+    store = _store_of(d)
     if not model and not strip and store is None and not tag and not not_found:
         return None
-    background = "background" in fields and fields["background"].bool_value
     return Rewrite(model or None, family if family in ("openai", "anthropic") else "openai", strip, store=store,
-                   id_tag=tag or None, not_found=not_found or None, background=background)
+                   id_tag=tag or None, not_found=not_found or None, background=d.background or False)
 
 
-def _store_of(fields) -> Store | None:
-    if "cache_key" not in fields:
+def _store_of(d: Decision) -> Store | None:
+    if d.cache_key is None or d.cache_ttl_s is None or d.cache_max_bytes is None:
         return None
-    text = {k: fields[k].string_value if k in fields else "" for k in ("cache_ttl_s", "cache_max_bytes", "experiment", "variant")}
-    if not text["cache_ttl_s"].isdigit() or not text["cache_max_bytes"].isdigit():
-        return None
-    return Store(fields["cache_key"].string_value, int(text["cache_ttl_s"]), int(text["cache_max_bytes"]),
-                 text["experiment"], text["variant"])
+    return Store(d.cache_key, d.cache_ttl_s, d.cache_max_bytes, d.experiment or "", d.variant or "")
 
 
 def response_id_of(body: bytes) -> str | None:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import aiohttp
 
     from ..accounting.budgets import Budgets
+    from ..accounting.metering import Sink
     from ..routing.selection import BackendView
     from ..routing.snapshot import Snapshot
 
@@ -33,3 +34,5 @@ class HandlerRuntime(Protocol):
     def report_response(self, backend: str, status: int | None) -> None: ...
 
     def http_session(self) -> aiohttp.ClientSession: ...
+
+    def usage_sink(self) -> Sink | None: ...

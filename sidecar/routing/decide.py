@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import errors
+from ..decision import KIND
 from ..errors import Reply
 from ..payload.body import BodyError, replace_query_model, set_top_level
 from ..payload.formdata import replace_field
@@ -170,7 +171,7 @@ def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] 
 
 def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
     """A refusal after an arm was chosen still counts on that arm (and stays a refusal)."""
-    return replace(reply, meta=reply.meta + tuple((k, v) for k, v in plan.metadata().items() if k != "kind"))
+    return replace(reply, meta=reply.meta | plan.decision().without(KIND))
 
 
 def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | None]:

@@ -19,13 +19,13 @@ from typing import Any
 
 from .. import errors
 from ..config.limits import KEY_HEADER, MODEL_HEADER, SHARED_KEY_HEADER, SHARED_MODEL_HEADER, Rule
+from ..decision import Decision, Fields, encode
 from ..errors import Reply
 from .route import Meta
 from .snapshot import Snapshot
 
 # rule id -> (window index, tokens spent in that window), as the budget counters last saw it
 Spent = Mapping[str, tuple[int, int]]
-BUDGET_SEPARATOR = "\n"  # between rule ids in the decision's metadata (no model name has a control character)
 # Output tokens assumed for a request that sets no cap of its own (max_tokens,
 # max_completion_tokens, max_output_tokens).
 DEFAULT_OUTPUT_ESTIMATE = 1024
@@ -81,17 +81,25 @@ class LimitPlan:
     request_limit: int | None = None  # the smallest request allowance among the rates that apply
     reserve: int = 0  # tokens held on each budget from the decision until the request's entry settles them
 
-    def metadata(self) -> Meta:
-        m: Meta = {"limit_model": self.model}
+    def decision(self) -> Decision:
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`decision`'s keyword arguments."""
+        m: Fields = {"limit_model": self.model}
         if self.request_limit is not None:
             # Envoy counts; these complete its figures into OpenAI's header values.
-            m.update(x_rl_unit="s", x_rl_limit=str(self.request_limit))
+            m.update({"x_rl_unit": "s", "x_rl_limit": str(self.request_limit)})
         if self.budgets:
-            m["budgets"] = BUDGET_SEPARATOR.join(self.budgets)
-            m["reserved"] = f"{self.reserve}@{self.now!r}"  # the amount, and the time whose windows hold it
+            m["budgets"] = self.budgets
+            m["reserved"] = (self.reserve, self.now)  # the amount, and the time whose windows hold it
         if self.tightest is not None:
             m.update(token_headers(self.tightest, self.now))
         return m
+
+    def metadata(self) -> Meta:
+        """:meth:`decision`, encoded."""
+        return encode(self.fields())
 
 
 def applicable(snap: Snapshot, model: str, key_id: str | None) -> tuple[Rule, ...]:
@@ -135,17 +143,10 @@ def plan(rules: tuple[Rule, ...], model: str, key_id: str | None, spent: Spent, 
                      min(allowances) if allowances else None, reserve)
 
 
-def reservation(metadata: Mapping[str, Any]) -> tuple[int, float] | None:
+def reservation(decision: Decision | Mapping[str, Any]) -> tuple[int, float] | None:
     """A decision's reservation (tokens, the time whose windows hold it), read
     back from its metadata; None when it reserved nothing."""
-    raw = metadata.get("reserved")
-    if not isinstance(raw, str):
-        return None
-    amount, _, at = raw.partition("@")
-    try:
-        return int(amount), float(at)
-    except ValueError:
-        return None
+    return (decision if isinstance(decision, Decision) else Decision.decode(decision)).reserved
 
 
 def duration(seconds: float) -> str:
@@ -160,7 +161,7 @@ def duration(seconds: float) -> str:
     return f"{m}m{s}s" if m else f"{s}s"
 
 
-def token_headers(state: BudgetState, now: float) -> Meta:
+def token_headers(state: BudgetState, now: float) -> Fields:
     return {
         "x_ratelimit_limit_tokens": str(state.rule.tokens),
         "x_ratelimit_remaining_tokens": str(state.remaining),
@@ -188,7 +189,7 @@ def refusal(state: BudgetState, model: str, family: str, now: float) -> Reply:
     )
     headers = (
         ("retry-after", str(max(1, math.ceil(state.reset_at - now)))),
-        *((k.replace("_", "-"), str(v)) for k, v in token_headers(state, now).items()),
+        *((k.replace("_", "-"), str(v)) for k, v in encode(token_headers(state, now)).items()),
     )
     return Reply(reply.status, reply.body, headers,
-                 meta=(("limit_refused", "tokens"), ("limit_model", model), ("client_model", model)))
+                 meta=Decision(limit_refused="tokens", limit_model=model, client_model=model))

@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
+from ..decision import Decision, Fields, Retry
 from ..payload.body import BodyError, parse_json, set_top_level
-from .limits import BUDGET_SEPARATOR
 from .route import CREDENTIAL_HEADERS, Meta, upstream_auth
 from .snapshot import Snapshot
 
@@ -30,45 +30,39 @@ class Retarget:
     path: str
     set_headers: tuple[tuple[str, str], ...]
     remove_headers: tuple[str, ...]
-    meta: Meta  # merged into the decision's metadata
+    decision: Decision  # merged into the decision's metadata
+
+    @property
+    def meta(self) -> Meta:
+        """:attr:`decision`, encoded."""
+        return self.decision.encode()
 
 
-def _retry(decision: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        plan = orjson.loads(str(decision.get("retry") or "{}"))
-    except orjson.JSONDecodeError:
-        return {}
-    return plan if isinstance(plan, dict) else {}
-
-
-def hop_for(plan: Mapping[str, Any], attempt: int) -> tuple[str, str] | None:
+def hop_for(plan: Retry, attempt: int) -> tuple[str, str] | None:
     """(backend, model) of attempt ``attempt`` (2 for the first hop), or None."""
-    hops = plan.get("hops")
-    if attempt < 2 or not isinstance(hops, list) or attempt - 2 >= len(hops):
+    if attempt < 2 or attempt - 2 >= len(plan.hops):
         return None
-    hop = hops[attempt - 2]
-    if isinstance(hop, list) and len(hop) == 2 and all(isinstance(x, str) for x in hop):
-        return hop[0], hop[1]
-    return None
+    return plan.hops[attempt - 2]
 
 
-def _charged_to(plan: Mapping[str, Any], attempt: int) -> Meta:
+def _charged_to(plan: Retry, attempt: int) -> Fields:
     """The hop's limits replace the origin's: its tokens go to its own budgets."""
-    charged = plan.get("limits")
-    entry = charged[attempt - 2] if isinstance(charged, list) and attempt - 2 < len(charged) else None
-    if not isinstance(entry, list) or not entry or not all(isinstance(x, str) for x in entry):
-        return {"limit_model": "", "budgets": ""}
-    return {"limit_model": entry[0], "budgets": BUDGET_SEPARATOR.join(entry[1:])}
+    entry = plan.limits[attempt - 2] if attempt - 2 < len(plan.limits) else None
+    if entry is None:
+        return {"limit_model": "", "budgets": ()}
+    return {"limit_model": entry[0], "budgets": entry[1:]}
 
 
-def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: bytes) -> Retarget | None:
+def retarget(snap: Snapshot, decision: Decision | Mapping[str, Any], attempt: int, body: bytes) -> Retarget | None:
     """The hop's request, or None when this attempt cannot be retargeted (no
     hop for it, a backend this config does not have, a body that is not a
     JSON object): it then goes on unchanged."""
-    plan = _retry(decision)
+    if not isinstance(decision, Decision):
+        decision = Decision.decode(decision)
+    plan = decision.retry_plan() or _NO_HOPS
     hop = hop_for(plan, attempt)
-    origin = plan.get("origin")
-    if hop is None or not isinstance(origin, str) or hop[0] not in snap.backends:
+    origin = plan.origin
+    if hop is None or origin is None or hop[0] not in snap.backends:
         return None
     backend_name, upstream = hop
     backend = snap.backends[backend_name]
@@ -76,16 +70,16 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
         data = parse_json(body)
     except BodyError:
         return None
-    if plan.get("drop_effort") and "reasoning_effort" in data:
+    if plan.drop_effort and "reasoning_effort" in data:
         del data["reasoning_effort"]  # a suffix's edit: a hop inherits no suffix
         data["model"] = upstream
         new_body = orjson.dumps(data)
     else:
         new_body = set_top_level(body, {"model": upstream}, data)
     sets, removes = upstream_auth(snap, backend)
-    if not sets and decision.get("auth_replaced"):
+    if not sets and decision.auth_replaced:
         removes = CREDENTIAL_HEADERS + removes  # an earlier attempt's backend key never travels on
-    meta: Meta = {
+    meta: Fields = {
         "backend": backend_name, "upstream_model": upstream,
         "fallback_from": origin, "fallback_to": upstream, "fallback_reason": REASON,
         # The served model is named unless it is a hidden arm's; "" removes the header.
@@ -94,7 +88,10 @@ def retarget(snap: Snapshot, decision: Mapping[str, Any], attempt: int, body: by
     meta.update(_charged_to(plan, attempt))
     if sets:
         meta["auth_replaced"] = True
-    if decision.get("suffix"):
-        meta.update(suffix_applied=False, x_model_variant_applied="false")
-    path = backend.base_path + str(plan.get("path") or "/")
-    return Retarget(new_body, path, sets + (("content-length", str(len(new_body))),), removes, meta)
+    if decision.suffix:
+        meta.update({"suffix_applied": False, "x_model_variant_applied": False})
+    path = backend.base_path + (plan.path or "/")
+    return Retarget(new_body, path, sets + (("content-length", str(len(new_body))),), removes, Decision(**meta))
+
+
+_NO_HOPS = Retry((), None, (), None, False)

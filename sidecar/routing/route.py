@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import orjson
-
+from ..decision import Decision, Fields, Retry, encode
 from .attempts import Hop, composite_cluster
 from .snapshot import BackendInfo, Snapshot
 
 if TYPE_CHECKING:
     from .limits import LimitPlan
 
-Meta = dict[str, "str | bool"]
+Meta = dict[str, "str | bool | float"]  # a decision, encoded
 
 
 @dataclass(slots=True)
@@ -54,44 +53,53 @@ class ResponsePlan:
         return (self.rewrite_model is not None or self.strip_injected_usage or self.cache is not None
                 or self.id_tag is not None or self.not_found is not None)
 
-    def metadata(self) -> Meta:
+    def decision(self) -> Decision:
         """The decision as Envoy dynamic metadata: read back by the access log
         (metrics, usage records), by the route's response headers (``x_*``
         keys) and by the response processor."""
-        m: Meta = {"kind": self.kind, "family": self.family}
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`decision`'s keyword arguments."""
+        m: Fields = {"kind": self.kind, "family": self.family}
         if self.estimate is not None and self.kind == "routed":
-            m["estimate"] = f"{self.estimate[0]},{self.estimate[1]}"
+            m["estimate"] = self.estimate
         if self.background:
             m["background"] = True
         if self.response_id is not None:
             m["response_id"] = self.response_id
         if self.experiment is not None:
-            m.update(experiment=self.experiment, variant=self.variant or "", assignment=self.assignment or "")
+            m.update({"experiment": self.experiment, "variant": self.variant or "",
+                      "assignment": self.assignment or ""})
             if self.caller is not None:
                 m["caller"] = self.caller
             if self.attribute:
-                m.update(x_experiment=self.experiment, x_experiment_variant=self.variant or "")
+                m.update({"x_experiment": self.experiment, "x_experiment_variant": self.variant or ""})
         if self.suffix is not None:
-            m.update(suffix=self.suffix, suffix_applied=self.suffix_applied, x_model_variant=self.suffix)
+            m.update({"suffix": self.suffix, "suffix_applied": self.suffix_applied,
+                      "x_model_variant": self.suffix})
             if not self.suffix_applied:
-                m["x_model_variant_applied"] = "false"
+                m["x_model_variant_applied"] = False
         if self.fallback is not None:
-            m.update(fallback_from=self.fallback.origin, fallback_to=self.fallback.served,
-                     fallback_reason=self.fallback.reason)
+            m.update({"fallback_from": self.fallback.origin, "fallback_to": self.fallback.served,
+                      "fallback_reason": self.fallback.reason})
             if self.fallback.announce:
                 m["x_fallback_model"] = self.fallback.served
         if self.needs_response:
-            m.update(rewrite_model=self.rewrite_model or "", strip_usage=self.strip_injected_usage)
+            m.update({"rewrite_model": self.rewrite_model or "", "strip_usage": self.strip_injected_usage})
             if self.id_tag is not None:
                 m["id_tag"] = self.id_tag
             if self.not_found is not None:
                 m["not_found"] = self.not_found
         if self.cache is not None:
             # The response processor stores the answer the client gets under this key.
-            m.update(cache_key=self.cache.key, cache_ttl_s=str(self.cache.ttl_s),
-                     cache_max_bytes=str(self.cache.max_entry_bytes),
-                     x_cache="miss" if self.cache.read else "bypass")
+            m.update({"cache_key": self.cache.key, "cache_ttl_s": self.cache.ttl_s,
+                      "cache_max_bytes": self.cache.max_entry_bytes, "x_cache": "miss" if self.cache.read else "bypass"})
         return m
+
+    def metadata(self) -> Meta:
+        """:meth:`decision`, encoded."""
+        return encode(self.fields())
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,25 +141,32 @@ class Route:
         composite of the backend and its hops."""
         return composite_cluster(self.backend.name, self.hops) if self.hops else self.backend.name
 
-    def metadata(self) -> Meta:
-        m: Meta = self.plan.metadata() if self.plan is not None else {"kind": "passthrough"}
+    def decision(self) -> Decision:
+        return Decision.of(self.fields())
+
+    def fields(self) -> Fields:
+        """:meth:`decision`'s keyword arguments (one dict: this runs for every routed request)."""
+        m: Fields = self.plan.fields() if self.plan is not None else {"kind": "passthrough"}
         if self.limits is not None:
-            m.update(self.limits.metadata())
+            m.update(self.limits.fields())
         m["backend"] = self.backend.name
         if self.hops and self.plan is not None:
             # For the hop filter, in one field (each field costs in every access-log entry):
             # attempt n + 1 goes to hops[n - 1] = [backend, model].
             plan = self.plan
-            m["retry"] = orjson.dumps({
-                "hops": [[h.backend, h.upstream_model] for h in self.hops], "origin": plan.chain_origin,
-                "limits": [[h.limit_model, *h.budgets] for h in self.hops],
-                "path": plan.hop_path or "/", "drop_effort": plan.drop_effort,
-            }).decode()
+            m["retry"] = Retry(
+                tuple((h.backend, h.upstream_model) for h in self.hops), plan.chain_origin,
+                tuple((h.limit_model, *h.budgets) for h in self.hops), plan.hop_path, plan.drop_effort,
+            ).encode()
             if self.backend.api_key:
                 m["auth_replaced"] = True  # a hop without a key of its own removes this one
         if self.client_model:
-            m.update(client_model=self.client_model, upstream_model=self.upstream_model)
+            m.update({"client_model": self.client_model, "upstream_model": self.upstream_model})
         return m
+
+    def metadata(self) -> Meta:
+        """:meth:`decision`, encoded: the metadata Envoy gets."""
+        return encode(self.fields())
 
 
 # The client's address as Envoy reports it to upstreams.

@@ -74,7 +74,7 @@ def test_within_variant_answers_503_naming_the_client_model(snap):
     assert isinstance(r, Reply) and r.status == 503
     err = orjson.loads(r.body)["error"]
     assert err["code"] == "no_backend_available" and "'chat-w'" in err["message"]
-    assert dict(r.meta)["variant"] == "only"  # still counted on the arm
+    assert r.meta.variant == "only"  # still counted on the arm
 
 
 def test_cross_variant_walks_the_chain_and_stays_on_the_arm(snap):

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.accounting import metering
 from sidecar.config.schema import parse
+from sidecar.decision import Decision
 from sidecar.experiments import feedback, join
 from sidecar.experiments.feedback import Feedback, owner_of
 
@@ -98,9 +99,9 @@ def test_join_replaces_without_double_counting(cfg):
 
     first, again, other, unknown, wrong_method = run(go())
     assert first[0].status == 200 and orjson.loads(first[0].body)["replaced"] is False
-    assert first[1]["feedback_value"] is True and first[1]["variant"] == "control"
-    assert again[0].status == 200 and orjson.loads(again[0].body)["replaced"] is True and again[1]["feedback_replaces"]
-    assert (first[1]["feedback_revision"], again[1]["feedback_revision"]) == (1, 2)
+    assert first[1].feedback_value is True and first[1].variant == "control"
+    assert again[0].status == 200 and orjson.loads(again[0].body)["replaced"] is True and again[1].feedback_replaces
+    assert (first[1].feedback_revision, again[1].feedback_revision) == (1, 2)
     assert other[0].status == 404 and unknown[0].status == 404
     assert other[0].body.replace(b"r1", b"") == unknown[0].body.replace(b"r2", b"")  # no tell between the two
     assert wrong_method[0].status == 405
@@ -131,10 +132,10 @@ def test_feedback_needs_declared_metrics_to_record():
 
 
 def test_feedback_usage_record():
-    rec = metering.feedback_record({"kind": "feedback", "feedback_for": "r1", "key_id": "team-a", "experiment": "split",
-                                 "variant": "control", "feedback_name": "rating", "feedback_value": 4.0,
-                                 "feedback_replaces": False, "feedback_comment": "ok", "request_id": "fb-1",
-                                 "feedback_revision": 1.0}, 0.0)
+    rec = metering.feedback_record(Decision.decode({
+        "kind": "feedback", "feedback_for": "r1", "key_id": "team-a", "experiment": "split", "variant": "control",
+        "feedback_name": "rating", "feedback_value": 4.0, "feedback_replaces": False, "feedback_comment": "ok",
+        "request_id": "fb-1", "feedback_revision": 1.0}), 0.0)
     assert rec["request_id"] == "r1" and rec["kind"] == "feedback" and rec["value"] == 4.0
     assert rec["comment"] == "ok" and rec["feedback_request_id"] == "fb-1" and rec["replaces"] is False
     assert rec["revision"] == 1 and isinstance(rec["revision"], int)

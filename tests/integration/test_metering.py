@@ -286,7 +286,7 @@ def test_an_observer_that_fails_loses_no_count_and_no_other_entry():
 
     class Later:
         def observe(self, entry):
-            seen.append(entry.decision["request_id"])
+            seen.append(entry.decision.request_id)
 
     def arm() -> float:
         return m.EXPERIMENT_REQUESTS.labels("unit-meter", "a", "server_error", "sticky")._value.get()

@@ -11,10 +11,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sidecar"
 
-# Top to bottom. A root module (errors, metrics, contract) is a layer of its own.
+# Top to bottom. A root module (errors, metrics, decision, contract) is a layer of its own.
 LAYERS = (
     "__main__", "commands", "devstack", "deploy", "serve", "handlers", "experiments", "accounting",
-    "backends", "routing", "stores", "metrics", "config", "payload", "errors", "contract", "_proto",
+    "backends", "routing", "stores", "metrics", "config", "payload", "errors", "decision", "contract", "_proto",
 )
 # What serve's process must never load: the local stack and the demo engine.
 NEVER_SERVED = ("devstack",)
