@@ -212,6 +212,22 @@ async def _next(messages: AsyncIterator[pb.ProcessingRequest], timeout: float | 
         return None
 
 
+def _unasked(req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """The empty answer to a message a stream's kind does not expect: Envoy goes on."""
+    kind = req.WhichOneof("request")
+    if kind == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if kind == "response_trailers":
+        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    if kind == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    if kind == "response_headers":
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if kind == "request_headers":
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    return pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
 class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, runtime: HandlerRuntime) -> None:
         self.runtime = runtime
@@ -227,129 +243,152 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(self, request_iterator: AsyncIterable[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
-        st = _Stream()
-        response: ResponseStream | None = None
-        silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
+        """One ext_proc stream. Its first message says which of four kinds it is,
+        and one handler serves it to the end: a client's request (the decision),
+        a fallback hop's attempt, a shadow copy, or an upstream response to
+        rewrite."""
         messages = request_iterator.__aiter__()
-        hop: HopStream | None = None
-        shadow: ShadowStream | None = None
         self.in_flight += 1
         try:
-            while True:
-                req = await _next(messages, silence if response is not None and response.watching else None)
-                if req is None:
-                    break
-                if req is _SILENT and response is not None:
-                    metrics.STREAMS_CUT.labels("idle").inc()
-                    for answer in response.cut(silence):
-                        yield answer
-                    return
-                kind = req.WhichOneof("request")
-                if kind == "request_headers":
-                    if is_hop(req):  # a fallback attempt on a hop's cluster
-                        hop = HopStream(self.runtime.snapshot, req, self.runtime.report_response)
-                        yield hop.headers()
-                        continue
-                    if is_shadow(req):  # a shadow copy on its arm's cluster
-                        shadow = self._shadow(req)
-                        # Counted when the call ends, however it ends: a copy whose
-                        # backend never answers ends with Envoy's reset, not a message.
-                        context.add_done_callback(lambda _call, s=shadow: s.finish())
-                        yield shadow.headers()
-                        if shadow.done:
-                            return
-                        continue
-                    if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
-                        yield self._shed(st, req.request_headers)
-                        return
-                    self.runtime.count_request()
-                    resp = await self._shared_budgets(st, self._request_headers(st, req.request_headers))
-                    yield resp
-                    if resp.mode_override.request_body_mode != _P.BUFFERED:
-                        return  # the last answer Envoy needs: end the stream from our side
-                elif kind == "request_body":
-                    if hop is not None:
-                        yield hop.body(req.request_body)
-                        return
-                    if shadow is not None:
-                        yield shadow.body(req.request_body)
-                        if shadow.done:
-                            return
-                        continue
-                    body = req.request_body.body  # each read of the field is a copy of the whole body
-                    if not await self.json_budget.within(body):
-                        yield self._refuse(self._too_complex(st), st)
-                        return
-                    if st.ingress is None and not st.passthrough and is_feedback(st.path):
-                        yield await self._feedback(st, body)
-                        return
-                    resp = self._request_body(st, body)
-                    plan = st.route.plan if st.route is not None else None
-                    if plan is not None and plan.suffix == "online":
-                        # The sidecar answers this one itself; keep Envoy waiting for it.
-                        search = st.snap.config.web_search
-                        assert search is not None  # :online is served only with a search provider
-                        deadline = search.deadline_s + 5
-                        yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
-                        resp = await self._online(st, body)
-                    elif plan is not None and plan.cache is not None and plan.cache.read:
-                        resp = await self._from_cache(st) or resp
-                    yield await self._shared_budgets(st, resp)
-                    return
-                elif kind == "response_headers" and shadow is not None:
-                    yield shadow.response_headers(req.response_headers)
-                    if shadow.done:
-                        return
-                elif kind == "response_body" and shadow is not None:
-                    yield shadow.response_body(req.response_body)
-                    if shadow.done:
-                        return
-                elif kind == "response_headers":
-                    # A response stream (the upstream filter), opened only for rewrites.
-                    rewrite = rewrite_of(req.metadata_context)
-                    if rewrite is None:
-                        yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-                        return
-                    if rewrite.not_found is not None:
-                        if header_map(req.response_headers).get(":status") == "404":
-                            # The engine lost it: the router's own answer, the one an id never issued gets.
-                            yield immediate(errors.response_not_found(rewrite.not_found))
-                            return
-                        if replace(rewrite, not_found=None) == Rewrite(None, rewrite.family, False):
-                            # Only the status mattered: the body goes on unseen.
-                            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
-                                                        mode_override=_MODE_NOTHING_MORE)
-                            return
-                    tagger = response_ids.tagger(rewrite.id_tag, self.runtime.snapshot.id_key)
-                    response = ResponseStream(replace(rewrite, tagger=tagger))
-                    yield response.headers(req.response_headers)
-                    if response.finished:
-                        return
-                elif kind == "response_body":
-                    if response is None:
-                        yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-                        return
-                    answer = response.body(req.response_body)
-                    if response.kept is not None:
-                        self._store(response)
-                    yield answer
-                    if response.finished:
-                        return
-                elif kind == "request_trailers":
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-                elif kind == "response_trailers":
-                    for resp in response.trailers() if response is not None else [
-                        pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-                    ]:
-                        yield resp
-                    if response is not None:
-                        return
+            first = await _next(messages, None)
+            if first is None:
+                return
+            if first.WhichOneof("request") != "request_headers":
+                stream = self._response(first, messages)
+            elif is_hop(first):  # a fallback attempt on a hop's cluster
+                stream = self._hop(first, messages)
+            elif is_shadow(first):  # a shadow copy on its arm's cluster
+                stream = self._copy(first, messages, context)
+            else:
+                stream = self._request(first, messages)
+            async for answer in stream:
+                yield answer
         except Exception:
             metrics.STREAM_ERRORS.inc()
             log.exception("ext_proc stream failed")
             raise
         finally:
             self.in_flight -= 1
+
+    async def _request(self, first: pb.ProcessingRequest,
+                       messages: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        """A client's request: the decision at its headers, or at its body."""
+        st = _Stream()
+        if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
+            yield self._shed(st, first.request_headers)
+            return
+        self.runtime.count_request()
+        resp = await self._shared_budgets(st, self._request_headers(st, first.request_headers))
+        yield resp
+        if resp.mode_override.request_body_mode != _P.BUFFERED:
+            return  # the last answer Envoy needs: end the stream from our side
+        while (req := await _next(messages, None)) is not None:
+            kind = req.WhichOneof("request")
+            if kind == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif kind == "request_body":
+                async for answer in self._body(st, req.request_body.body):  # one read: each copies the body
+                    yield answer
+                return
+            else:
+                yield _unasked(req)
+
+    async def _body(self, st: _Stream, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
+        if not await self.json_budget.within(body):
+            yield self._refuse(self._too_complex(st), st)
+            return
+        if st.ingress is None and not st.passthrough and is_feedback(st.path):
+            yield await self._feedback(st, body)
+            return
+        resp = self._request_body(st, body)
+        plan = st.route.plan if st.route is not None else None
+        if plan is not None and plan.suffix == "online":
+            # The sidecar answers this one itself; keep Envoy waiting for it.
+            search = st.snap.config.web_search
+            assert search is not None  # :online is served only with a search provider
+            deadline = search.deadline_s + 5
+            yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
+            resp = await self._online(st, body)
+        elif plan is not None and plan.cache is not None and plan.cache.read:
+            resp = await self._from_cache(st) or resp
+        yield await self._shared_budgets(st, resp)
+
+    async def _hop(self, first: pb.ProcessingRequest,
+                   messages: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        """A fallback attempt: the hop's model and credentials on its body."""
+        hop = HopStream(self.runtime.snapshot, first, self.runtime.report_response)
+        yield hop.headers()
+        while (req := await _next(messages, None)) is not None:
+            if req.WhichOneof("request") == "request_body":
+                yield hop.body(req.request_body)
+                return
+            yield _unasked(req)
+
+    async def _copy(self, first: pb.ProcessingRequest, messages: AsyncIterator[pb.ProcessingRequest],
+                    context: Any) -> AsyncIterator[pb.ProcessingResponse]:
+        """A shadow copy: the arm's model on its body, its answer metered apart."""
+        shadow = self._shadow(first)
+        # Counted when the call ends, however it ends: a copy whose backend
+        # never answers ends with Envoy's reset, not a message.
+        context.add_done_callback(lambda _call: shadow.finish())
+        yield shadow.headers()
+        while not shadow.done and (req := await _next(messages, None)) is not None:
+            kind = req.WhichOneof("request")
+            if kind == "request_body":
+                yield shadow.body(req.request_body)
+            elif kind == "response_headers":
+                yield shadow.response_headers(req.response_headers)
+            elif kind == "response_body":
+                yield shadow.response_body(req.response_body)
+            else:
+                yield _unasked(req)
+
+    async def _response(self, first: pb.ProcessingRequest,
+                        messages: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        """An upstream response (the upstream filter opens the stream only for a
+        decision that asked for it): the model name rewritten, usage read, the
+        answer stored for the cache, a silent stream cut."""
+        if first.WhichOneof("request") != "response_headers":
+            yield _unasked(first)
+            return
+        rewrite = rewrite_of(first.metadata_context)
+        if rewrite is None:
+            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            return
+        if rewrite.not_found is not None:
+            if header_map(first.response_headers).get(":status") == "404":
+                # The engine lost it: the router's own answer, the one an id never issued gets.
+                yield immediate(errors.response_not_found(rewrite.not_found))
+                return
+            if replace(rewrite, not_found=None) == Rewrite(None, rewrite.family, False):
+                # Only the status mattered: the body goes on unseen.
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_MODE_NOTHING_MORE)
+                return
+        tagger = response_ids.tagger(rewrite.id_tag, self.runtime.snapshot.id_key)
+        response = ResponseStream(replace(rewrite, tagger=tagger))
+        yield response.headers(first.response_headers)
+        silence = silence_limit(self.runtime.snapshot.config.envoy.idle_timeout_s)
+        while not response.finished:
+            req = await _next(messages, silence if response.watching else None)
+            if req is None:
+                return
+            if req is _SILENT:
+                metrics.STREAMS_CUT.labels("idle").inc()
+                for answer in response.cut(silence):
+                    yield answer
+                return
+            kind = req.WhichOneof("request")
+            if kind == "response_body":
+                answer = response.body(req.response_body)
+                if response.kept is not None:
+                    self._store(response)
+                yield answer
+            elif kind == "response_trailers":
+                for answer in response.trailers():
+                    yield answer
+                return
+            else:
+                yield _unasked(req)
 
     def _shadow(self, req: pb.ProcessingRequest) -> ShadowStream:
         sink = self.runtime.usage_sink()
