@@ -45,7 +45,6 @@ from ..routing.context import Caller
 from ..routing.ingress import Ingress, canonical, family_for
 from ..routing.limits import refusal as budget_refusal
 from ..routing.shadow import SHADOW_HEADER
-from ..routing.shadow import draw as shadow_draw
 from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER, Snapshot
 from ..routing.trace import Trace
 from ..stores.cache import ResponseCache
@@ -464,7 +463,7 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
     def _decide(self, st: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         self._counter += 1
         live = dispatch.Live(
-            now=time.time(), pick=self._counter, rand=self._rand.random(),
+            now=time.time(), pick=self._counter, rand=self._rand.random(), shadow_rand=self._rand.random(),
             states=self.runtime.backend_states(), mono=time.monotonic(), spent=self.runtime.budgets.spent,
         )
         assert st.head is not None
@@ -606,12 +605,10 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
             shared += (("accept-encoding", "identity"),)
         if plan is not None and plan.needs_response:
             shared += ((RESPONSE_HEADER, "rewrite"),)  # selects the route whose upstream filter rewrites
-        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
-            info = st.snap.experiments.get(route.client_model)
-            copy_to = shadow_draw(info.config if info is not None else None, self._rand.random())
-            if copy_to is not None and info is not None:
-                shared += ((SHADOW_HEADER, copy_to),)  # the routes' mirror policy copies the request there
-                metrics.SHADOW_COPIES.labels(info.config.name, info.config.shadows[0].id).inc()
+        if route.shadow is not None and plan is not None and plan.experiment is not None:
+            cluster, arm = route.shadow
+            shared += ((SHADOW_HEADER, cluster),)  # the routes' mirror policy copies the request there
+            metrics.SHADOW_COPIES.labels(plan.experiment, arm).inc()
         own: list[tuple[str, str]] = []
         if route.path is not None:
             own.append((":path", route.path))

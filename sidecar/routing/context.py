@@ -73,6 +73,7 @@ class Request:
     now: float = 0.0
     pick: int = 0  # round-robin counter
     rand: float = 0.0  # uniform in [0, 1)
+    shadow_rand: float = 1.0  # uniform in [0, 1), the shadow copy's own draw (1.0: never copied)
     random_bytes: Callable[[int], bytes] = os.urandom
     states: Mapping[str, BackendView] = field(default_factory=dict)  # backend -> monitor state
     mono: float = 0.0  # monotonic clock, the monitor's time base

@@ -16,7 +16,7 @@ from ..errors import Reply
 from ..payload.body import BodyError, replace_query_model, set_top_level
 from ..payload.formdata import replace_field
 from ..payload.response_ids import Owner
-from . import affinity, attempts, limits, selection
+from . import affinity, attempts, limits, selection, shadow
 from .assignment import is_blank
 from .attempts import Hop
 from .cache_key import plan_cache
@@ -95,7 +95,27 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     route.limits = limited
     _own_name(route)
     _cache(snap, req, parsed, route, edits, target)
+    _shadow(snap, req, route)
     return route
+
+
+def _shadow(snap: Snapshot, req: Request, route: Route) -> None:
+    """The shadow stage: whether Envoy also copies this request to its
+    experiment's shadow arm (a share of the experiment's routed requests)."""
+    plan = route.plan
+    if plan is None or plan.kind != "routed" or plan.experiment is None:
+        return
+    info = snap.experiments.get(route.client_model)
+    if info is None or not info.config.shadows:
+        return
+    arm = info.config.shadows[0]
+    cluster = shadow.draw(info.config, req.shadow_rand)
+    if cluster is not None:
+        route.shadow = (cluster, arm.id)
+    if req.trace is not None:
+        verdict = (f"copied to the shadow arm '{arm.id}' ({arm.model})" if cluster is not None
+                   else f"not copied (the shadow arm '{arm.id}' gets a share of {arm.shadow.share})")
+        req.trace.stage("shadow", verdict, copied=cluster is not None, arm=arm.id)
 
 
 def _own_name(route: Route) -> None:

@@ -57,6 +57,7 @@ class Live:
     mono: float = 0.0
     pick: int = 0
     rand: float = 0.0
+    shadow_rand: float = 1.0  # 1.0: never copied to a shadow arm
     states: Mapping[str, BackendView] = field(default_factory=dict)
     spent: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     random_bytes: Callable[[int], bytes] = os.urandom
@@ -113,7 +114,7 @@ def at_body(
         return passthrough(snap, head.path, head.caller, head.family, models)
     return decide(snap, Request(
         ingress=head.ingress, path=head.path, headers=headers, body=body, caller=head.caller, now=live.now,
-        pick=live.pick, rand=live.rand, random_bytes=live.random_bytes, states=live.states, mono=live.mono,
+        pick=live.pick, rand=live.rand, shadow_rand=live.shadow_rand, random_bytes=live.random_bytes, states=live.states, mono=live.mono,
         trace=trace, spent=live.spent,
     ))
 

@@ -109,5 +109,5 @@ def _run(
     if head.outcome is not None:
         trace.conclude(head.outcome)
         return
-    live = dispatch.Live(now=now, mono=mono, rand=random.random(), states=states)
+    live = dispatch.Live(now=now, mono=mono, rand=random.random(), shadow_rand=random.random(), states=states)
     trace.conclude(dispatch.at_body(snap, head, spec.body, headers, live, trace))

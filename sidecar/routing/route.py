@@ -134,6 +134,7 @@ class Route:
     plan: ResponsePlan | None = None
     limits: LimitPlan | None = None  # the limits the request falls under
     hops: tuple[Hop, ...] = ()  # where a failed attempt moves to
+    shadow: tuple[str, str] | None = None  # (cluster, arm id): Envoy copies this request to a shadow arm
 
     @property
     def cluster(self) -> str:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+import orjson
+
 from sidecar.config.schema import ConfigError, parse
-from sidecar.routing import shadow, snapshot
+from sidecar.routing import Caller, Request, decide, shadow, snapshot
+from sidecar.routing.ingress import lookup
 from sidecar.routing.reservation import reserved_by
+from sidecar.routing.trace import Trace
 
 BACKENDS = """
 backends:
@@ -98,3 +102,23 @@ def test_a_shadow_backend_under_another_base_path_is_refused():
     errs = errors_of(text + "model_experiments: [{name: e, model: chat, variants: [{id: control, model: m1, weight: 1}, "
                      "{id: cand, model: m2, backends: [b], shadow: {share: 0.1}}]}]\n")
     assert any("backend 'b' has the base path '/openai' but the live arms' backend 'a' has ''" in e for e in errs), errs
+
+
+def _decided(snap: snapshot.Snapshot, model: str, u: float, trace: Trace | None = None):
+    path = "/v1/chat/completions"
+    return decide(snap, Request(ingress=lookup(path), path=path, headers={}, caller=Caller("k", None), rand=0.5,
+                                body=orjson.dumps({"model": model, "messages": []}), shadow_rand=u, trace=trace))
+
+
+def test_the_decision_names_the_copy_below_the_share_and_explain_shows_the_draw():
+    snap = snapshot.build(parse(config_with("{id: cand, model: m2, shadow: {share: 0.25}}"), env={}).config)
+    copied, kept = Trace(), Trace()
+    assert _decided(snap, "chat", 0.1, copied).shadow == ("shadow~e", "cand")
+    assert _decided(snap, "chat", 0.25, kept).shadow is None
+    assert [(s["verdict"], s["copied"]) for s in copied.stages if s["stage"] == "shadow"] == [
+        ("copied to the shadow arm 'cand' (m2)", True)]
+    assert [s["copied"] for s in kept.stages if s["stage"] == "shadow"] == [False]
+    # The arms that serve callers are untouched by the draw; a request outside
+    # the experiment is never copied.
+    assert _decided(snap, "chat", 0.1).upstream_model == _decided(snap, "chat", 0.9).upstream_model == "m1"
+    assert _decided(snap, "m1", 0.0).shadow is None
