@@ -19,9 +19,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
 
 from .. import decision
+from ..contract import NAMESPACE
+from ..decision import EMPTY, X_RL_LIMIT, X_RL_UNIT, Decision
+from ..errors import Reply
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 LIMIT = 4096  # shapes kept per table before starting over
@@ -92,4 +98,39 @@ def _skeleton(phase: str, mode: Any, namespace: str, md: Mapping[str, Any], shar
     else:
         resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
     resp.dynamic_metadata.update({namespace: dict(md)})
+    return resp
+
+
+NOTHING_MORE = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND, request_body_mode=pm.ProcessingMode.NONE,
+    response_header_mode=pm.ProcessingMode.SKIP, response_body_mode=pm.ProcessingMode.NONE,
+    request_trailer_mode=pm.ProcessingMode.SKIP, response_trailer_mode=pm.ProcessingMode.SKIP,
+)
+"""The mode of an answer after which the stream needs nothing more from Envoy."""
+
+
+def _struct(namespaces: dict[str, Any]) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.update(namespaces)
+    return md
+
+
+def immediate(reply: Reply, meta: Decision = EMPTY, usage: struct_pb2.Struct | None = None) -> pb.ProcessingResponse:
+    """The sidecar's own answer. Its metadata marks it as ours (Envoy's
+    local-reply mapping leaves it alone) and carries the decision so far."""
+    md = Decision(reply="sidecar", kind="refusal" if reply.status >= 400 else "answered") | reply.meta | meta
+    # No request-rate filter ran on this answer: it carries no rate headers.
+    md = md.without(X_RL_UNIT, X_RL_LIMIT)
+    typed = any(k == "content-type" for k, _ in reply.headers)
+    resp = pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=reply.status),
+            headers=header_mutation((() if typed else (("content-type", reply.content_type),)) + reply.headers),
+            body=reply.body,
+            details=f"model_router_{reply.status}",
+        ),
+        dynamic_metadata=_struct({NAMESPACE: md.encode()}),
+    )
+    if usage is not None:
+        resp.dynamic_metadata.MergeFrom(usage)
     return resp

@@ -206,7 +206,7 @@ async def serve_async(
         await asyncio.sleep(RETIRE_WAIT_S)
     await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
     await tracer.close()
-    processor.json_budget.close()
+    processor.close()
     await monitor.stop()
     await runtime.budgets.stop(time.time())
     await runtime.close()

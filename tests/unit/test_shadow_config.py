@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import orjson
+import pytest
 
 from sidecar.config.schema import ConfigError, parse
 from sidecar.routing import Caller, Request, decide, shadow, snapshot
