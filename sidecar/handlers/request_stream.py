@@ -324,8 +324,7 @@ class RequestHandler:
     def _remember(self, st: RequestState, route: routing.Route) -> None:
         """The arm that serves this request, for feedback on it (in memory: no I/O here)."""
         plan = route.plan
-        if plan is not None and plan.kind == "routed" and plan.experiment is not None and (
-                st.ingress is not None and st.ingress.body == "json"):  # a copy's model is a JSON member
+        if plan is not None and plan.kind == "routed" and plan.experiment is not None:
             self.feedback.record(st.snap.config, st.headers.get("x-request-id"), self._owner(st),
                                  plan.experiment, plan.variant)
 

@@ -109,6 +109,11 @@ def _shadow(snap: Snapshot, req: Request, route: Route) -> None:
     if info is None or not info.config.shadows:
         return
     arm = info.config.shadows[0]
+    if req.ingress.body != "json":
+        if req.trace is not None:
+            req.trace.stage("shadow", f"not copied: the arm's model is written into a JSON body, and this is a "
+                            f"{req.ingress.body} request", copied=False, arm=arm.id)
+        return
     cluster = shadow.draw(info.config, req.shadow_rand)
     if cluster is not None:
         route.shadow = (cluster, arm.id)

@@ -159,3 +159,23 @@ def test_a_follow_up_is_routed_by_its_id_in_explain_too():
     name, snap, _ = _snapshots()[0]
     method, path, headers, body = next(r for r in _requests(snap) if r[0] == "GET" and "/v1/responses/resp_mr2" in r[1])
     assert explain_verdict(snap, method, path, headers, body) == ("routed",)
+
+
+def test_an_experiment_request_without_a_json_body_is_remembered_for_feedback():
+    snap = snapshot.build(parse("""
+feedback_metrics: [{name: thumbs_up, type: boolean}]
+backends: [{name: a, url: "http://127.0.0.1:1", models: [img-a]}]
+model_experiments:
+  - {name: img, model: images, variants: [{id: only, model: img-a, weight: 1}]}
+""", env={}).config)
+    processor = Processor(Runtime(snap))
+    body = b'--B\r\ncontent-disposition: form-data; name="model"\r\n\r\nimages\r\n--B--\r\n'
+    messages = _messages("POST", "/v1/images/edits", {"content-type": "multipart/form-data; boundary=B",
+                                                      "x-request-id": "req-1"}, body)
+
+    async def run() -> object:
+        [a async for a in processor.Process(_stream(messages), None)]
+        return await processor.requests.feedback.join.find(snap.config, "req-1")
+
+    served = asyncio.run(run())
+    assert served is not None and (served.experiment, served.variant) == ("img", "only")

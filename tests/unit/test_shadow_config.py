@@ -121,3 +121,14 @@ def test_the_decision_names_the_copy_below_the_share_and_explain_shows_the_draw(
     # the experiment is never copied.
     assert _decided(snap, "chat", 0.1).upstream_model == _decided(snap, "chat", 0.9).upstream_model == "m1"
     assert _decided(snap, "m1", 0.0).shadow is None
+
+
+def test_a_request_without_a_json_body_is_never_copied():
+    # The copy's model is written into a JSON body; a multipart upload stays uncopied.
+    snap = snapshot.build(parse(config_with("{id: cand, model: m2, shadow: {share: 1.0}}"), env={}).config)
+    path, trace = "/v1/images/edits", Trace()
+    body = b'--B\r\ncontent-disposition: form-data; name="model"\r\n\r\nchat\r\n--B--\r\n'
+    r = decide(snap, Request(ingress=lookup(path), path=path, headers={"content-type": "multipart/form-data; boundary=B"},
+                             caller=Caller("k", None), body=body, shadow_rand=0.0, trace=trace))
+    assert r.upstream_model == "m1" and r.shadow is None
+    assert [s["copied"] for s in trace.stages if s["stage"] == "shadow"] == [False]
