@@ -60,7 +60,7 @@ EXPERIMENT_ESTIMATED_TOKENS = Counter(
 # stay what they were (docs/experiments.md).
 SHADOW_COPIES = Counter(
     "model_experiment_shadow_copies_total",
-    "Requests the router asked Envoy to copy to a shadow arm (at the decision).",
+    "Requests the router asked Envoy to copy to a shadow arm (those it let on upstream).",
     ["experiment", "variant"],
     registry=REGISTRY,
 )

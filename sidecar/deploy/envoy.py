@@ -424,7 +424,7 @@ def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dic
     """The ext_proc filter that asks the sidecar for the decision, calling it
     through ``cluster``. Two messages per request: the decision needs the
     request only. The sidecar turns the response headers off on every request
-    it lets on (see _MODE_BODY_NEXT in extproc.py)."""
+    it lets on (see _MODE_BODY_NEXT in handlers/request_stream.py)."""
     server = config.server
     return _ext_proc(
         "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit_bytes(server),

@@ -140,7 +140,7 @@ class RequestHandler:
 
     async def headers(self, st: RequestState, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """The answer to the request headers: a decision, or a request for the body."""
-        return await self._shared_budgets(st, self._request_headers(st, msg))
+        return self._sent_on(st, await self._shared_budgets(st, self._request_headers(st, msg)))
 
     async def body(self, st: RequestState, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
         """The answers to the body: the decision (an ``:online`` request first
@@ -162,7 +162,18 @@ class RequestHandler:
             resp = await self._online(st, body)
         elif plan is not None and plan.cache is not None and plan.cache.read:
             resp = await self._from_cache(st) or resp
-        yield await self._shared_budgets(st, resp)
+        yield self._sent_on(st, await self._shared_budgets(st, resp))
+
+    @staticmethod
+    def _sent_on(st: RequestState, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """``resp``, the request's last answer; a shadow copy counts only when
+        it lets the request on (an answer of the sidecar's own sends nothing
+        upstream, so Envoy mirrors nothing)."""
+        route = st.route
+        if route is not None and route.shadow is not None and not resp.HasField("immediate_response"):
+            assert route.plan is not None and route.plan.experiment is not None  # a shadow is an experiment's
+            metrics.SHADOW_COPIES.labels(route.plan.experiment, route.shadow[1]).inc()
+        return resp
 
     def shed(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """Too many streams open here: refuse now, cheaply, rather than queue."""
@@ -223,8 +234,7 @@ class RequestHandler:
         assert route is not None
         if isinstance(route, Reply):
             return self._refuse(route, st)
-        metrics.DECISIONS.labels(kind).inc()
-        return self._routed(st, route, phase)
+        return self._routed(st, route, phase, kind)
 
     def _too_complex(self, st: RequestState) -> Reply:
         return errors.error("invalid_json", f"The request body has more than {self.json_budget.max_members} JSON "
@@ -244,16 +254,17 @@ class RequestHandler:
             route = errors.error("internal", "The router could not process this request.", st.family)
         if isinstance(route, Reply):
             return self._refuse(route, st)
-        metrics.DECISIONS_OF("routed").inc()
-        return self._routed(st, route, phase)
+        return self._routed(st, route, phase, "routed")
 
-    def _routed(self, st: RequestState, route: routing.Route, phase: str) -> pb.ProcessingResponse:
+    def _routed(self, st: RequestState, route: routing.Route, phase: str, kind: str) -> pb.ProcessingResponse:
         """The answer that sends a request on: header and body mutations, and
-        the decision as dynamic metadata."""
+        the decision as dynamic metadata (counted as ``kind`` once it is sure
+        to go: a 431 counts as a refusal only)."""
         self._canonical_path(st, route)
         headers = self._route_headers(st, route)
         if isinstance(headers, Reply):
             return self._refuse(headers, st)
+        metrics.DECISIONS_OF(kind).inc()
         st.route = route
         self._remember(st, route)
         if route.limits is not None and route.limits.budgets:
@@ -360,10 +371,8 @@ class RequestHandler:
             shared += (("accept-encoding", "identity"),)
         if plan is not None and plan.needs_response:
             shared += ((RESPONSE_HEADER, "rewrite"),)  # selects the route whose upstream filter rewrites
-        if route.shadow is not None and plan is not None and plan.experiment is not None:
-            cluster, arm = route.shadow
-            shared += ((SHADOW_HEADER, cluster),)  # the routes' mirror policy copies the request there
-            metrics.SHADOW_COPIES.labels(plan.experiment, arm).inc()
+        if route.shadow is not None:
+            shared += ((SHADOW_HEADER, route.shadow[0]),)  # the routes' mirror policy copies the request there
         own: list[tuple[str, str]] = []
         if route.path is not None:
             own.append((":path", route.path))

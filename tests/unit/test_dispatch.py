@@ -179,3 +179,28 @@ model_experiments:
 
     served = asyncio.run(run())
     assert served is not None and (served.experiment, served.variant) == ("img", "only")
+
+
+def test_a_request_refused_after_its_decision_counts_no_shadow_copy_and_one_refusal():
+    # 32 headers is Envoy's floor; the route's own headers take this request past it: 431.
+    snap = snapshot.build(parse("""
+envoy: {max_request_headers: 32}
+backends: [{name: a, url: "http://127.0.0.1:1", models: [m1, m2]}]
+model_experiments:
+  - {name: e, model: chat, variants: [{id: control, model: m1, weight: 1}, {id: cand, model: m2, shadow: {share: 1.0}}]}
+""", env={}).config)
+    from sidecar import metrics
+
+    def counts() -> tuple[float, float, float]:
+        value = metrics.REGISTRY.get_sample_value
+        return (value("model_experiment_shadow_copies_total", {"experiment": "e", "variant": "cand"}) or 0.0,
+                value("model_router_decisions_total", {"outcome": "431"}) or 0.0,
+                value("model_router_decisions_total", {"outcome": "routed"}) or 0.0)
+
+    body = orjson.dumps({"model": "chat", "messages": []})
+    before = counts()
+    headers = {f"x-pad-{i}": "v" for i in range(29)}
+    assert handler_verdict(snap, "POST", "/v1/chat/completions", headers, body)[:2] == ("refused", 431)
+    assert tuple(a - b for a, b in zip(counts(), before)) == (0.0, 1.0, 0.0)
+    assert handler_verdict(snap, "POST", "/v1/chat/completions", {}, body) == ("routed",)
+    assert tuple(a - b for a, b in zip(counts(), before)) == (1.0, 1.0, 1.0)
