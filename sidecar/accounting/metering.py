@@ -44,9 +44,12 @@ _SENT_KINDS = ("routed", "passthrough", "count_tokens", "follow_up")
 _SERVED_KINDS = ("routed", "answered", "cache_hit")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
-    """What one access-log entry says about one request."""
+    """What one access-log entry says about one request. Read-only by
+    convention: every observer gets the same one. (Not a frozen dataclass:
+    a frozen ``__init__`` sets each of the 18 fields through
+    ``object.__setattr__``, about 2.5 µs per entry.)"""
 
     decision: Decision  # the sidecar's metadata (a mapping given is decoded); empty: the sidecar never decided
     status: int  # 0: no response was sent
@@ -71,11 +74,12 @@ class Entry:
 
     def __post_init__(self) -> None:
         if not isinstance(self.decision, Decision):  # a plain mapping of wire values (a test's, a replay's)
-            object.__setattr__(self, "decision", Decision.decode(self.decision))
+            self.decision = Decision.decode(self.decision)
 
 
-def _seconds(d: Any) -> float | None:  # a protobuf Duration
-    return d.seconds + d.nanos / 1e9 if d.ByteSize() else None
+def _seconds(d: Any) -> float | None:  # a protobuf Duration; None when zero (unset)
+    seconds, nanos = d.seconds, d.nanos  # (two reads cost less than ``ByteSize()``)
+    return seconds + nanos / 1e9 if seconds or nanos else None
 
 
 def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
@@ -92,8 +96,9 @@ def entry_of(log_entry: Any) -> Entry:
     meta = common.metadata.filter_metadata
     decision = Decision.decode(meta[NAMESPACE]) if NAMESPACE in meta else EMPTY
     usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
-    flags = common.response_flags
-    flagged = flags.ByteSize() > 0  # most entries carry no flag: one check instead of ten
+    # Most entries carry no flag (Envoy sets the message only for a flag): one check instead of ten.
+    flags = common.response_flags if common.HasField("response_flags") else None
+    flagged = flags is not None and flags.ByteSize() > 0
     headers = log_entry.request.request_headers
     response = log_entry.response  # (each attribute read builds a new wrapper: read each once)
     via_upstream = response.response_code_details == "via_upstream"
@@ -106,13 +111,14 @@ def entry_of(log_entry: Any) -> Entry:
         total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
         prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
         completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
-        upstream_failed=flagged and bool(
+        upstream_failed=flagged and flags is not None and bool(
             flags.upstream_connection_failure or flags.upstream_remote_reset
             or flags.upstream_connection_termination or flags.upstream_request_timeout
             or flags.upstream_protocol_error or flags.no_healthy_upstream
         ),
-        client_gone=flagged and bool(flags.downstream_connection_termination or flags.downstream_remote_reset),
-        rate_limited=flagged and flags.rate_limited,
+        client_gone=flagged and flags is not None and bool(
+            flags.downstream_connection_termination or flags.downstream_remote_reset),
+        rate_limited=flagged and flags is not None and flags.rate_limited,
         cut=usage.get("cut") is not None,
         response_id=v if isinstance(v := usage.get("engine_response_id"), str) else None,
         streamed=_tokens(usage, "streamed"),
@@ -205,11 +211,30 @@ def status_class(entry: Entry) -> str:
     return "success"
 
 
+def iso_time(t: float) -> str:
+    """``datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")``,
+    with the part up to the second made once per second (a batch's entries
+    mostly share it): ``datetime`` costs about 2 µs a call."""
+    second = int(t)
+    us = round((t - second) * 1e6)  # as fromtimestamp rounds (half to even; ``t - second`` is exact)
+    if t < 0 or us >= 1_000_000:
+        return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+    global _last
+    cached, prefix = _last  # (one tuple: a reader never pairs one second with another's text)
+    if second != cached:
+        prefix = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+        _last = second, prefix
+    return f"{prefix}{us // 1000:03d}+00:00"
+
+
+_last = (-1, "")
+
+
 def feedback_record(decision: Decision, start: float) -> dict[str, Any]:
     """The usage record of accepted feedback (docs/metering.md)."""
     return {
         "request_id": decision.feedback_for,
-        "time": datetime.fromtimestamp(start, UTC).isoformat(timespec="milliseconds"),
+        "time": iso_time(start),
         "key_id": decision.key_id,
         "kind": "feedback",
         "experiment_id": decision.experiment,
@@ -235,7 +260,7 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
     tokens = billed(entry)
     return {
         "request_id": d.request_id,
-        "time": datetime.fromtimestamp(entry.start, UTC).isoformat(timespec="milliseconds"),
+        "time": iso_time(entry.start),
         "key_id": d.key_id,
         "kind": kind,
         "client_model": d.client_model,

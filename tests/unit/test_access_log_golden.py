@@ -36,7 +36,7 @@ ENTRY_FIELDS = (
     "client_gone", "rate_limited", "cut", "response_id", "streamed", "local_reply", "traceparent",
     "tracestate", "answer", "via_upstream",
 )
-START = 1_796_284_800  # 2026-12-03T00:00:00Z
+START = 1_796_284_800  # 2026-12-03T08:00:00Z
 
 ARM = {"experiment": EXPERIMENT, "variant": "control", "assignment": "sticky", "x_experiment": EXPERIMENT,
        "x_experiment_variant": "control", "caller": "9f86d081884c7d65"}
@@ -232,3 +232,17 @@ def test_an_access_log_batch_gives_the_recorded_outputs():
     for i, (g, w) in enumerate(zip(got["observed"], want["observed"], strict=True)):
         assert g == w, f"entry {i}"
     assert got == want
+
+
+def test_iso_time_is_datetimes_reading():
+    from datetime import UTC, datetime
+
+    from sidecar.accounting.metering import iso_time
+
+    rng = __import__("random").Random(7)
+    times = [0.0, 0.0005, 0.9995, 0.9999995, 0.99999949, 1.5, float(START), START + 0.0015, START + 59.9999996,
+             START + 86_399.9999999, 1e9 + 0.123456789, -1.25, -0.0000004]
+    times += [START + rng.random() * 1e6 for _ in range(20_000)]
+    times += [START + rng.randrange(10**6) + rng.randrange(10**6) / 1e6 + d for d in (-5e-7, 5e-7, 0) for _ in range(3_000)]
+    for t in times:
+        assert iso_time(t) == datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds"), t
