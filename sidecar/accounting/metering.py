@@ -91,45 +91,59 @@ def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
 
 
 def entry_of(log_entry: Any) -> Entry:
-    """Read an ``HTTPAccessLogEntry``; pure."""
+    """Read an ``HTTPAccessLogEntry``; pure. (Each attribute read of a protobuf
+    message builds a new wrapper: each is read once.)"""
     common = log_entry.common_properties
     meta = common.metadata.filter_metadata
     decision = Decision.decode(meta[NAMESPACE]) if NAMESPACE in meta else EMPTY
-    usage = _plain(meta[USAGE_NAMESPACE]) if USAGE_NAMESPACE in meta else {}
     # Most entries carry no flag (Envoy sets the message only for a flag): one check instead of ten.
-    flags = common.response_flags if common.HasField("response_flags") else None
-    flagged = flags is not None and flags.ByteSize() > 0
+    upstream_failed = client_gone = rate_limited = flagged = False
+    if common.HasField("response_flags"):
+        flags = common.response_flags
+        if flags.ByteSize() > 0:
+            flagged = True
+            upstream_failed = bool(
+                flags.upstream_connection_failure or flags.upstream_remote_reset
+                or flags.upstream_connection_termination or flags.upstream_request_timeout
+                or flags.upstream_protocol_error or flags.no_healthy_upstream
+            )
+            client_gone = bool(flags.downstream_connection_termination or flags.downstream_remote_reset)
+            rate_limited = flags.rate_limited
     headers = log_entry.request.request_headers
-    response = log_entry.response  # (each attribute read builds a new wrapper: read each once)
+    response = log_entry.response
     via_upstream = response.response_code_details == "via_upstream"
     start = common.start_time
-    return Entry(
-        decision=decision,
-        status=response.response_code.value,
-        start=start.seconds + start.nanos / 1e9,
-        headers_s=_seconds(common.time_to_first_downstream_tx_byte),
-        total_s=_seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
-        prompt_tokens=_tokens(usage, "prompt_tokens", "input_tokens"),
-        completion_tokens=_tokens(usage, "completion_tokens", "output_tokens"),
-        upstream_failed=flagged and flags is not None and bool(
-            flags.upstream_connection_failure or flags.upstream_remote_reset
-            or flags.upstream_connection_termination or flags.upstream_request_timeout
-            or flags.upstream_protocol_error or flags.no_healthy_upstream
-        ),
-        client_gone=flagged and flags is not None and bool(
-            flags.downstream_connection_termination or flags.downstream_remote_reset),
-        rate_limited=flagged and flags is not None and flags.rate_limited,
-        cut=usage.get("cut") is not None,
-        response_id=v if isinstance(v := usage.get("engine_response_id"), str) else None,
-        streamed=_tokens(usage, "streamed"),
+    e = Entry(
+        decision,
+        response.response_code.value,
+        start.seconds + start.nanos / 1e9,
+        _seconds(common.time_to_first_downstream_tx_byte),
+        _seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
+        None,
+        None,
+        upstream_failed,
+        client_gone,
+        rate_limited,
         via_upstream=via_upstream,
         traceparent=headers.get("traceparent") if headers else None,
         tracestate=headers.get("tracestate") if headers else None,
-        answer={k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v},
         # No upstream address and no response flag: Envoy answered itself for
         # a reason none of its flags name (the request, not a backend or Envoy's state).
         local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
     )
+    if USAGE_NAMESPACE in meta:
+        _read_usage(e, _plain(meta[USAGE_NAMESPACE]))
+    return e
+
+
+def _read_usage(e: Entry, usage: dict[str, Any]) -> None:
+    """The usage namespace's keys onto a new entry (left at their defaults without it)."""
+    e.prompt_tokens = _tokens(usage, "prompt_tokens", "input_tokens")
+    e.completion_tokens = _tokens(usage, "completion_tokens", "output_tokens")
+    e.cut = usage.get("cut") is not None
+    e.response_id = v if isinstance(v := usage.get("engine_response_id"), str) else None
+    e.streamed = _tokens(usage, "streamed")
+    e.answer = {k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v}
 
 
 _ANSWER_KEYS = ("response_id", "response_model", "finish_reason")
