@@ -16,7 +16,6 @@ can fail or slow a client request.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import sys
@@ -262,8 +261,9 @@ def feedback_record(decision: Decision, start: float) -> dict[str, Any]:
     }
 
 
-def usage_record(entry: Entry) -> dict[str, Any] | None:
-    """The usage record of a request the router resolved, or None. Never the key."""
+def usage_record(entry: Entry, tokens: Billed | None = None) -> dict[str, Any] | None:
+    """The usage record of a request the router resolved, or None. Never the key.
+    ``tokens``: ``billed(entry)``, when the caller has it already."""
     d = entry.decision
     kind = d.kind
     if (kind is None and not d) or kind == "listing" or (
@@ -271,7 +271,8 @@ def usage_record(entry: Entry) -> dict[str, Any] | None:
         return None
     if kind == "feedback":
         return feedback_record(d, entry.start)
-    tokens = billed(entry)
+    if tokens is None:
+        tokens = billed(entry)
     return {
         "request_id": d.request_id,
         "time": iso_time(entry.start),
@@ -337,25 +338,30 @@ class Meter:
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
+        sink, observers = self.sink, self.observers
         # A batch's counter increments, summed per child and added once at the
         # end (a batch is mostly one arm's requests; each ``inc`` takes a lock).
         tally: dict[Any, float] = {}
-        steps: tuple[Callable[[Entry], None], ...] = (
-            functools.partial(self._count, tally=tally), *(o.observe for o in self.observers)
-        )
         count = 0
         try:
             for e in entries:
                 count += 1
                 # Each step on its own: one that fails loses neither this entry's
                 # other accounts nor the rest of the batch.
-                for step in steps:
+                tokens = None
+                try:
+                    tokens = billed(e)  # (once: the metrics and the usage record both read it)
+                    self._count(e, tally, tokens)
+                except Exception:
+                    metrics.STREAM_ERRORS.inc()
+                    log.exception("an access-log entry could not be accounted")
+                for o in observers:
                     try:
-                        step(e)
+                        o.observe(e)
                     except Exception:
                         metrics.STREAM_ERRORS.inc()
                         log.exception("an access-log entry could not be accounted")
-                if self.sink is not None and (rec := usage_record(e)) is not None:
+                if sink is not None and (rec := usage_record(e, tokens)) is not None:
                     records.append(rec)
         finally:
             if count:
@@ -369,7 +375,7 @@ class Meter:
                 metrics.USAGE_RECORDS_DROPPED.inc(len(records))
                 log.error("usage records could not be written: %s", exc)
 
-    def _count(self, e: Entry, tally: dict[Any, float]) -> None:
+    def _count(self, e: Entry, tally: dict[Any, float], tokens: Billed | None = None) -> None:
         d = e.decision
         kind = d.kind
         backend = d.backend
@@ -400,7 +406,8 @@ class Meter:
             return  # no model ran: no tokens
         if kind not in ("routed", "answered"):
             return  # count_tokens reports the size of a prompt nobody ran
-        tokens = billed(e)
+        if tokens is None:
+            tokens = billed(e)
         for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
             if n:
                 child = metrics.EXPERIMENT_TOKENS_OF(experiment, variant, name)
