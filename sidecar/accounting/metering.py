@@ -153,6 +153,11 @@ def _plain(struct: Any) -> dict[str, Any]:  # a protobuf Struct
     fields = struct.fields
     for k in fields:  # (items() goes through the Mapping mixin, in Python)
         v = fields[k]
+        # Usage is mostly token counts: a nonzero number needs no WhichOneof
+        # (a value of another kind reads number_value as 0.0).
+        if n := v.number_value:
+            out[k] = n
+            continue
         which = v.WhichOneof("kind")
         out[k] = getattr(v, which) if which in _SCALARS else None
     return out
