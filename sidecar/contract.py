@@ -29,6 +29,7 @@ CLIENT_ROUTER_HEADERS = (EXPLAIN_HEADER, ADMIN_TOKEN_HEADER)
 BACKEND_HEADER = "x-model-router-backend"
 CACHE_HEADER = "x-model-router-cache"  # hit | miss | bypass, on answers the response cache could serve
 RESPONSE_HEADER = "x-model-router-response"  # asks Envoy's upstream filter to open a response stream
+SHADOW_HEADER = "x-model-router-shadow"  # the shadow cluster Envoy mirrors this request to
 ATTEMPT_HEADER = "x-envoy-attempt-count"  # Envoy's count of tries on one request (fallback hops)
 # Response headers the router sets on a request; upstream copies are dropped.
 ATTRIBUTION_HEADERS = (

@@ -29,6 +29,9 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
     REGISTRY.register(_collector)
 
+# Seconds, for every latency histogram: short answers to hour-long streams' headers.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
 EXPERIMENT_REQUESTS = Counter(
     "model_experiment_requests_total",
     "Requests resolved by a model experiment, by arm, status class and assignment kind.",
@@ -39,7 +42,7 @@ EXPERIMENT_DURATION = Histogram(
     "model_experiment_request_duration_seconds",
     "Time from the request reaching Envoy to the response headers sent to the client, per arm.",
     ["experiment", "variant"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 EXPERIMENT_TOKENS = Counter(
@@ -75,14 +78,14 @@ SHADOW_DURATION = Histogram(
     "model_experiment_shadow_request_duration_seconds",
     "Time from the shadow copy leaving Envoy to its response headers, per shadow arm.",
     ["experiment", "variant"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 SHADOW_TTFT = Histogram(
     "model_experiment_shadow_time_to_first_token_seconds",
     "Time from the shadow copy leaving Envoy to the first body bytes of its event stream, per shadow arm.",
     ["experiment", "variant"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 SHADOW_TOKENS = Counter(

@@ -26,9 +26,15 @@ import yaml
 from .. import decision
 from ..config import address
 from ..config.schema import RESERVED_BACKEND_NAME, Config, Server
-from ..contract import HEALTH_FAILURES, HEALTH_INTERVAL_S, REPLY_NAMESPACE, RESPONSE_HEADER, USAGE_NAMESPACE
+from ..contract import (
+    HEALTH_FAILURES,
+    HEALTH_INTERVAL_S,
+    REPLY_NAMESPACE,
+    RESPONSE_HEADER,
+    SHADOW_HEADER,
+    USAGE_NAMESPACE,
+)
 from ..routing import snapshot
-from ..routing.shadow import SHADOW_HEADER
 from ..routing.snapshot import (
     ATTRIBUTION_HEADERS,
     BACKEND_HEADER,

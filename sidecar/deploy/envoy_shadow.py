@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config.schema import Config
-from ..routing.shadow import SHADOW_HEADER, targets
+from ..contract import SHADOW_HEADER
+from ..routing.shadow import targets
 
 SHADOW_FILTER = "envoy.filters.http.ext_proc/shadow"
 

@@ -21,6 +21,7 @@ from google.protobuf import duration_pb2
 from .. import errors, metrics, routing
 from ..accounting.spans import upstream_traceparent
 from ..backends import websearch
+from ..contract import SHADOW_HEADER
 from ..decision import Decision, Fields, encode
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
@@ -30,7 +31,6 @@ from ..routing import dispatch, explain
 from ..routing.context import Caller
 from ..routing.ingress import Ingress, canonical, family_for
 from ..routing.limits import refusal as budget_refusal
-from ..routing.shadow import SHADOW_HEADER
 from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER, Snapshot
 from ..routing.trace import Trace
 from ..stores.cache import ResponseCache

@@ -27,10 +27,11 @@ from envoy.type.v3 import http_status_pb2
 
 from .. import metrics
 from ..config.schema import Config
+from ..contract import SHADOW_HEADER
 from ..payload.rewrite import SSERewriter, Usage, rewrite_json_body
 from ..routing.ingress import family_for
 from ..routing.route import upstream_auth
-from ..routing.shadow import SHADOW_HEADER, Target, target_of
+from ..routing.shadow import Target, target_of
 from ..routing.snapshot import BACKEND_HEADER, Snapshot
 from .response_stream import header_map
 

@@ -3,7 +3,7 @@
 A shadow arm is a variant written with ``shadow: {share, max_in_flight}``.
 It never serves a caller. For a ``share`` of the experiment's routed
 requests the decision names the arm's Envoy cluster in
-:data:`SHADOW_HEADER`; the routes' mirror policy reads that header and sends
+:data:`sidecar.contract.SHADOW_HEADER`; the routes' mirror policy reads that header and sends
 Envoy's copy of the request there, without the caller waiting for it. The
 shadow cluster's own upstream filter asks the sidecar to put the arm's model
 in the copy's body (:mod:`sidecar.handlers.shadow_stream`), and its circuit breaker
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from ..config.schema import Config, Experiment, ShadowArm
 
-SHADOW_HEADER = "x-model-router-shadow"
 CLUSTER_PREFIX = "shadow~"
 
 

@@ -156,29 +156,21 @@ async def serve_async(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    recycling = False
+    # Why this process leaves before a stop signal: "recycle" (the supervisor
+    # has started its replacement) or "retire" (no supervisor: leave the
+    # endpoints, drain and exit 0 for Kubernetes or systemd to start it again).
+    leaving: str | None = None
 
-    def recycle() -> None:
-        # Replaced: nothing waits for this process, so in-flight streams get as
-        # long as an upstream exchange may take.
-        nonlocal grace, recycling
+    def leave(reason: str) -> None:
+        # Nothing waits for this process: in-flight streams get as long as an
+        # upstream exchange may take.
+        nonlocal grace, leaving
         grace = float(runtime.snapshot.config.envoy.upstream_timeout_s or 86_400)
-        recycling = True
+        leaving = reason
         stop.set()
 
-    loop.add_signal_handler(signal.SIGUSR1, recycle)
-
-    retiring = False
-
-    def retire() -> None:
-        # No supervisor (serve --no-supervisor): leave the endpoints, drain and
-        # exit 0 for whatever runs this process (Kubernetes, systemd) to start it again.
-        nonlocal grace, retiring
-        grace = float(runtime.snapshot.config.envoy.upstream_timeout_s or 86_400)
-        retiring = True
-        stop.set()
-
-    runtime.on_due = retire
+    loop.add_signal_handler(signal.SIGUSR1, leave, "recycle")
+    runtime.on_due = lambda: leave("retire")
 
     async def watch() -> None:
         while not stop.is_set():
@@ -192,15 +184,15 @@ async def serve_async(
     watcher = asyncio.create_task(watch())
     await stop.wait()
     watcher.cancel()
-    if recycling:
+    if leaving == "recycle":
         # Serve on until Envoy's health check has found the replacement...
         await asyncio.sleep(HEALTH_INTERVAL_S + 0.5)
     runtime.ready = False
     await health_service.enter_graceful_shutdown()
-    if recycling:
+    if leaving == "recycle":
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
-    if retiring:
+    if leaving == "retire":
         # Until Kubernetes has taken the pod out of its endpoints (readiness)
         # and Envoy's health check has seen NOT_SERVING, streams may still come.
         await asyncio.sleep(RETIRE_WAIT_S)

@@ -8,9 +8,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from sidecar.config.schema import parse
+from sidecar.contract import SHADOW_HEADER
 from sidecar.handlers.shadow_stream import ShadowStream, is_shadow
 from sidecar.routing import snapshot
-from sidecar.routing.shadow import SHADOW_HEADER
 
 CONFIG = """
 backends:
