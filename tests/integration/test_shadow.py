@@ -254,3 +254,19 @@ def test_the_shadow_is_never_charged_to_the_callers_budget(stacks):
     second = ask(shadowed, "chat-budget", "again")
     spent = int(second.headers["x-ratelimit-limit-tokens"]) - int(second.headers["x-ratelimit-remaining-tokens"])
     assert spent == first.json()["usage"]["total_tokens"]  # the caller's own tokens, not its copy's too
+
+
+def test_a_client_cannot_ask_for_a_copy(stacks):
+    # The shadow header is the router's: Envoy strips a client's before any
+    # route matches, so naming a shadow cluster copies nothing.
+    shadowed, _, _ = stacks
+    settled(shadowed, "shadow~full")
+    clear_demo_requests(shadowed)
+    before = settled(shadowed, "shadow~full")
+    body = {"model": "m-live", "messages": [{"role": "user", "content": "copy me"}]}
+    for value in ("shadow~full", "SHADOW~FULL", "shadow~full, shadow~full"):
+        for name in ("x-model-router-shadow", "X-Model-Router-Shadow"):
+            r = httpx.post(shadowed.url + CHAT, json=body, headers={name: value}, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == "m-live"
+    assert settled(shadowed, "shadow~full") == before
+    assert posts(shadowed, "cand") == []
