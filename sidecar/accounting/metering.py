@@ -19,8 +19,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -29,8 +29,11 @@ import orjson
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from .. import metrics
-from ..contract import NAMESPACE, USAGE_NAMESPACE
-from ..decision import EMPTY, Decision
+from ..contract import NAMESPACE as NAMESPACE
+from ..contract import USAGE_NAMESPACE as USAGE_NAMESPACE
+from ..decision import Decision
+from .entries import Entry as Entry
+from .entries import entry_of as entry_of
 
 log = logging.getLogger("model_router.metering")
 
@@ -41,129 +44,6 @@ _COUNTED_KINDS = ("routed", "refusal", "answered", "cache_hit")
 _SENT_KINDS = ("routed", "passthrough", "count_tokens", "follow_up")
 # Kinds whose request was served under its decision's suffix and fallback.
 _SERVED_KINDS = ("routed", "answered", "cache_hit")
-
-
-@dataclass(slots=True)
-class Entry:
-    """What one access-log entry says about one request. Read-only by
-    convention: every observer gets the same one. (Not a frozen dataclass:
-    a frozen ``__init__`` sets each of the 18 fields through
-    ``object.__setattr__``, about 2.5 µs per entry.)"""
-
-    decision: Decision  # the sidecar's metadata (a mapping given is decoded); empty: the sidecar never decided
-    status: int  # 0: no response was sent
-    start: float  # unix time the request arrived
-    headers_s: float | None  # to the first byte sent to the client (the response headers)
-    total_s: float | None  # to the last byte sent to the client
-    prompt_tokens: int | None  # None: the response reported no usage
-    completion_tokens: int | None
-    upstream_failed: bool  # Envoy could not get a complete answer from the backend
-    client_gone: bool  # the client went away before the answer
-    rate_limited: bool = False  # Envoy's request-rate filter refused it
-    cut: bool = False  # the router ended the response itself (an event stream whose upstream fell silent)
-    response_id: str | None = None  # a background create's engine id, as its answer gave it
-    streamed: int | None = None  # a cut stream: the events it passed on before the cut
-    # Envoy answered itself after the decision, before any upstream was tried
-    # (an invalid header mutation): not the backend's failure nor the arm's.
-    local_reply: bool = False
-    traceparent: str | None = None  # the client's W3C trace context headers, as sent
-    tracestate: str | None = None
-    answer: Mapping[str, str] = field(default_factory=dict)  # response_id, response_model, finish_reason of a JSON answer
-    via_upstream: bool = False  # the status came from the backend, not from Envoy itself
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.decision, Decision):  # a plain mapping of wire values (a test's, a replay's)
-            self.decision = Decision.decode(self.decision)
-
-
-def _seconds(d: Any) -> float | None:  # a protobuf Duration; None when zero (unset)
-    seconds, nanos = d.seconds, d.nanos  # (two reads cost less than ``ByteSize()``)
-    return seconds + nanos / 1e9 if seconds or nanos else None
-
-
-def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
-    for k in keys:
-        v = usage.get(k)
-        if isinstance(v, (int, float)) and v >= 0:
-            return int(v)
-    return None
-
-
-def entry_of(log_entry: Any) -> Entry:
-    """Read an ``HTTPAccessLogEntry``; pure. (Each attribute read of a protobuf
-    message builds a new wrapper: each is read once.)"""
-    common = log_entry.common_properties
-    meta = common.metadata.filter_metadata
-    decision = Decision.decode(meta[NAMESPACE]) if NAMESPACE in meta else EMPTY
-    # Most entries carry no flag (Envoy sets the message only for a flag): one check instead of ten.
-    upstream_failed = client_gone = rate_limited = flagged = False
-    if common.HasField("response_flags"):
-        flags = common.response_flags
-        if flags.ByteSize() > 0:
-            flagged = True
-            upstream_failed = bool(
-                flags.upstream_connection_failure or flags.upstream_remote_reset
-                or flags.upstream_connection_termination or flags.upstream_request_timeout
-                or flags.upstream_protocol_error or flags.no_healthy_upstream
-            )
-            client_gone = bool(flags.downstream_connection_termination or flags.downstream_remote_reset)
-            rate_limited = flags.rate_limited
-    headers = log_entry.request.request_headers
-    response = log_entry.response
-    via_upstream = response.response_code_details == "via_upstream"
-    start = common.start_time
-    e = Entry(
-        decision,
-        response.response_code.value,
-        start.seconds + start.nanos / 1e9,
-        _seconds(common.time_to_first_downstream_tx_byte),
-        _seconds(common.time_to_last_downstream_tx_byte) or _seconds(common.duration),
-        None,
-        None,
-        upstream_failed,
-        client_gone,
-        rate_limited,
-        via_upstream=via_upstream,
-        traceparent=headers.get("traceparent") if headers else None,
-        tracestate=headers.get("tracestate") if headers else None,
-        # No upstream address and no response flag: Envoy answered itself for
-        # a reason none of its flags name (the request, not a backend or Envoy's state).
-        local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
-    )
-    if USAGE_NAMESPACE in meta:
-        _read_usage(e, _plain(meta[USAGE_NAMESPACE]))
-    return e
-
-
-def _read_usage(e: Entry, usage: dict[str, Any]) -> None:
-    """The usage namespace's keys onto a new entry (left at their defaults without it)."""
-    e.prompt_tokens = _tokens(usage, "prompt_tokens", "input_tokens")
-    e.completion_tokens = _tokens(usage, "completion_tokens", "output_tokens")
-    e.cut = usage.get("cut") is not None
-    e.response_id = v if isinstance(v := usage.get("engine_response_id"), str) else None
-    e.streamed = _tokens(usage, "streamed")
-    e.answer = {k: v for k in _ANSWER_KEYS if isinstance(v := usage.get(k), str) and v}
-
-
-_ANSWER_KEYS = ("response_id", "response_model", "finish_reason")
-
-
-def _plain(struct: Any) -> dict[str, Any]:  # a protobuf Struct
-    out: dict[str, Any] = {}
-    fields = struct.fields
-    for k in fields:  # (items() goes through the Mapping mixin, in Python)
-        v = fields[k]
-        # Usage is mostly token counts: a nonzero number needs no WhichOneof
-        # (a value of another kind reads number_value as 0.0).
-        if n := v.number_value:
-            out[k] = n
-            continue
-        which = v.WhichOneof("kind")
-        out[k] = getattr(v, which) if which in _SCALARS else None
-    return out
-
-
-_SCALARS = frozenset(("string_value", "bool_value", "number_value"))
 
 
 @dataclass(frozen=True, slots=True)
