@@ -17,7 +17,7 @@ below.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, cast
 
@@ -379,24 +379,38 @@ def _from_plain(m: Mapping[str, Any]) -> Decision:
 
 
 def _from_struct(struct: struct_pb2.Struct) -> Decision:
-    out: dict[str, Any] = {}
-    fields_ = struct.fields
-    for k in fields_:  # (items() goes through the Mapping mixin, in Python)
-        v = fields_[k]
-        if k in _STRING_KEYS:
-            text = v.string_value  # "" also when the value is not a string: then ask which it is
-            if text or v.WhichOneof("kind") == "string_value":
-                out[k] = text
-            continue
-        which = v.WhichOneof("kind")
-        if k in _BOOL_KEYS:
-            if which == "bool_value":
-                out[k] = v.bool_value
-        elif (dec := _DECODE.get(k)) is not None and which in _SCALARS:
-            typed = dec(getattr(v, which))
-            if typed is not None:
-                out[k] = typed
-    return _made(out)
+    return _EVERY_KEY(struct)
+
+
+def reader(keys: Iterable[str]) -> Callable[[struct_pb2.Struct], Decision]:
+    """A decoder of a namespace's ``Struct`` that reads only ``keys`` (the rest
+    read as unset), for a reader that uses only those: each value read from a
+    ``Struct`` builds a wrapper object. Build it once, not per decision."""
+    wanted = frozenset(keys)
+    strings, bools = _STRING_KEYS & wanted, _BOOL_KEYS & wanted
+    decoders = {k: dec for k, dec in _DECODE.items() if k in wanted}
+
+    def decode(struct: struct_pb2.Struct) -> Decision:
+        out: dict[str, Any] = {}
+        fields_ = struct.fields
+        for k in fields_:  # (items() goes through the Mapping mixin, in Python)
+            if k in strings:
+                v = fields_[k]
+                text = v.string_value  # "" also when the value is not a string: then ask which it is
+                if text or v.WhichOneof("kind") == "string_value":
+                    out[k] = text
+            elif k in bools:
+                v = fields_[k]
+                if v.WhichOneof("kind") == "bool_value":
+                    out[k] = v.bool_value
+            elif (dec := decoders.get(k)) is not None:
+                v = fields_[k]
+                if (which := v.WhichOneof("kind")) in _SCALARS and (typed := dec(getattr(v, which))) is not None:
+                    out[k] = typed
+        return _made(out)
+
+    return decode
 
 
 _SCALARS = frozenset(("string_value", "bool_value", "number_value"))
+_EVERY_KEY = reader(KEYS)

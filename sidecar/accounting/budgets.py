@@ -33,10 +33,15 @@ from ..config.limits import Rule
 from ..routing.limits import BudgetState, LimitPlan, window_of
 from ..routing.snapshot import Snapshot
 from ..stores import shared_store
+from .entries import Reads
 
 if TYPE_CHECKING:
     from ..config.schema import RedisSettings
     from .metering import Entry
+
+# The decision's keys ``observe`` reads (``billed`` reads kind, background, estimate).
+_READS = Reads(("kind", "limit_model", "limit_refused", "key_id", "budgets", "reserved", "background", "estimate",
+                "response_id"))
 
 log = logging.getLogger("model_router.budgets")
 
@@ -95,6 +100,9 @@ class Budgets:
 
     def _rules(self) -> dict[str, Rule]:
         return {r.id: r for rs in self.snapshot().limits.values() for r in rs if r.tokens is not None}
+
+    def reads(self) -> Reads:
+        return _READS
 
     def observe(self, e: Entry) -> None:
         """An access-log entry (a metering observer): a refusal by a limit is

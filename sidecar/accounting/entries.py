@@ -9,12 +9,43 @@ the client's trace headers only when something asks for them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..contract import NAMESPACE, USAGE_NAMESPACE
-from ..decision import EMPTY, Decision
+from ..decision import EMPTY, KEYS, Decision, reader
+
+
+class Reads:
+    """What of an access-log entry its readers use: the decision's ``keys``
+    (the others read as unset) and whether the client's ``trace_headers``.
+    Built once per set of readers (a configuration), never per entry."""
+
+    __slots__ = ("decode", "keys", "trace_headers")
+
+    def __init__(self, keys: Iterable[str], trace_headers: bool = False) -> None:
+        self.keys = frozenset(keys)
+        self.trace_headers = trace_headers
+        self.decode: Callable[[Any], Decision] = reader(self.keys)
+
+    def __or__(self, other: Reads) -> Reads:
+        if other.keys <= self.keys and other.trace_headers <= self.trace_headers:
+            return self
+        return Reads(self.keys | other.keys, self.trace_headers or other.trace_headers)
+
+
+EVERYTHING = Reads(KEYS, trace_headers=True)
+EVERY_KEY = Reads(KEYS)  # the whole decision, without the trace headers
+NOTHING = Reads(())
+# What the accounting itself reads (``billed``, ``status_class``, the metrics and
+# the usage record, accepted feedback's record included).
+ACCOUNTING = Reads((
+    "kind", "request_id", "key_id", "client_model", "upstream_model", "backend", "experiment", "variant",
+    "assignment", "caller", "suffix", "suffix_applied", "fallback_from", "fallback_to", "fallback_reason",
+    "estimate", "background", "feedback_for", "feedback_name", "feedback_value", "feedback_replaces",
+    "feedback_revision", "feedback_comment",
+))
 
 
 @dataclass(slots=True)
@@ -63,12 +94,21 @@ def _tokens(usage: Mapping[str, Any], *keys: str) -> int | None:
     return None
 
 
-def entry_of(log_entry: Any) -> Entry:
-    """Read an ``HTTPAccessLogEntry``; pure. (Each attribute read of a protobuf
-    message builds a new wrapper: each is read once.)"""
+def entry_of(log_entry: Any, reads: Reads = ACCOUNTING) -> Entry:
+    """Read an ``HTTPAccessLogEntry``, as much of it as ``reads`` says; pure.
+    (Each attribute read of a protobuf message builds a new wrapper: each is
+    read once.)"""
     common = log_entry.common_properties
     meta = common.metadata.filter_metadata
-    decision = Decision.decode(meta[NAMESPACE]) if NAMESPACE in meta else EMPTY
+    if NAMESPACE in meta:
+        struct = meta[NAMESPACE]
+        decision = reads.decode(struct)
+        if decision.kind is None and reads is not EVERYTHING:
+            # Without a kind, whether any key is set decides what is made of it
+            # (a usage record, a span): such a decision is read whole.
+            decision = EVERYTHING.decode(struct)
+    else:
+        decision = EMPTY
     # Most entries carry no flag (Envoy sets the message only for a flag): one check instead of ten.
     upstream_failed = client_gone = rate_limited = flagged = False
     if common.HasField("response_flags"):
@@ -82,7 +122,6 @@ def entry_of(log_entry: Any) -> Entry:
             )
             client_gone = bool(flags.downstream_connection_termination or flags.downstream_remote_reset)
             rate_limited = flags.rate_limited
-    headers = log_entry.request.request_headers
     response = log_entry.response
     via_upstream = response.response_code_details == "via_upstream"
     start = common.start_time
@@ -98,14 +137,15 @@ def entry_of(log_entry: Any) -> Entry:
         client_gone,
         rate_limited,
         via_upstream=via_upstream,
-        traceparent=headers.get("traceparent") if headers else None,
-        tracestate=headers.get("tracestate") if headers else None,
         # No upstream address and no response flag: Envoy answered itself for
         # a reason none of its flags name (the request, not a backend or Envoy's state).
         local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
     )
     if USAGE_NAMESPACE in meta:
         _read_usage(e, _plain(meta[USAGE_NAMESPACE]))
+    if reads.trace_headers and (headers := log_entry.request.request_headers):
+        e.traceparent = headers.get("traceparent")
+        e.tracestate = headers.get("tracestate")
     return e
 
 

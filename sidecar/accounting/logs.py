@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
+from .entries import EVERY_KEY, NOTHING, Reads
+
 if TYPE_CHECKING:  # the worker supervisor logs too, and loads no gRPC
     from ..decision import Decision
     from .metering import Entry
@@ -131,6 +133,10 @@ def decision_fields(entry: Entry) -> dict[str, Any]:
 
 class DecisionLog:
     """A metering observer: one line per request the sidecar decided."""
+
+    def reads(self) -> Reads:
+        """The whole decision, while its lines are written (refusals at INFO)."""
+        return EVERY_KEY if decisions.isEnabledFor(logging.INFO) else NOTHING
 
     def observe(self, entry: Entry) -> None:
         d = entry.decision

@@ -32,6 +32,7 @@ from .. import metrics
 from ..contract import NAMESPACE as NAMESPACE
 from ..contract import USAGE_NAMESPACE as USAGE_NAMESPACE
 from ..decision import Decision
+from .entries import ACCOUNTING, EVERYTHING, Reads
 from .entries import Entry as Entry
 from .entries import entry_of as entry_of
 
@@ -206,9 +207,22 @@ class JsonLinesSink:
 
 
 class Observer(Protocol):
-    """Something else made of each entry (a span, a log line); must not block."""
+    """Something else made of each entry (a span, a log line); must not block.
+
+    An observer may also have ``reads() -> Reads``: what of an entry it uses
+    under the current configuration (called once per batch; return the same
+    object while the configuration stands). Without it, it is given everything."""
 
     def observe(self, entry: Entry) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """An observer with what it reads, declared where it is wired (for an
+    observer that declares nothing itself)."""
+
+    observer: Observer
+    reads: Reads
 
 
 class Meter:
@@ -216,10 +230,36 @@ class Meter:
     and hands each to the observers."""
 
     def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
-                 observers: Iterable[Observer] = ()) -> None:
+                 observers: Iterable[Observer | Declared] = ()) -> None:
         self.report_failure = report_failure
         self.sink = sink
-        self.observers = tuple(observers)
+        given = tuple(observers)
+        self.observers = tuple(o.observer if isinstance(o, Declared) else o for o in given)
+        fixed, dynamic = ACCOUNTING, []
+        for o in given:
+            if isinstance(o, Declared):
+                fixed |= o.reads
+            elif (declared := getattr(o, "reads", None)) is not None:
+                dynamic.append(declared)
+            else:
+                fixed |= EVERYTHING
+        self._fixed: Reads = fixed
+        self._dynamic: tuple[Callable[[], Reads], ...] = tuple(dynamic)
+        self._parts: tuple[Reads, ...] = ()
+        self._reads = fixed
+
+    def reads(self) -> Reads:
+        """What the accounting and its observers read of an entry now (for
+        ``entry_of``; once per batch: an observer's part follows its configuration)."""
+        if not self._dynamic:
+            return self._fixed
+        parts = tuple(r() for r in self._dynamic)
+        if parts != self._parts:  # (the same objects while the configuration stands)
+            reads = self._fixed
+            for part in parts:
+                reads |= part
+            self._parts, self._reads = parts, reads
+        return self._reads
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
@@ -321,7 +361,8 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
             if message is None:
                 break
             try:
-                self.meter.record(entry_of(x) for x in message.http_logs.log_entry)
+                reads = self.meter.reads()
+                self.meter.record(entry_of(x, reads) for x in message.http_logs.log_entry)
             except Exception:  # accounting never takes the stream down
                 metrics.STREAM_ERRORS.inc()
                 log.exception("access-log batch could not be accounted")

@@ -29,6 +29,7 @@ import grpc
 from .. import metrics
 from .._proto import otlp_pb2 as otlp
 from ..config.schema import Tracing
+from .entries import EVERYTHING, NOTHING, Reads
 from .metering import Entry
 from .spans import SCHEMA_URL, add_attributes, build, sampled
 from .trace_settings import Settings, resolve
@@ -149,6 +150,10 @@ class Tracer:
                                  settings.endpoint, settings.protocol)
             self._cfg = cfg
         return self.settings
+
+    def reads(self) -> Reads:
+        """Everything, the client's trace headers too, while tracing is on; else nothing."""
+        return NOTHING if self._current() is None else EVERYTHING
 
     def observe(self, entry: Entry) -> None:
         try:

@@ -1,0 +1,94 @@
+"""An entry reads only the decision keys its readers declare: each declared
+observer does with such an entry what it does with a whole one, over every
+kind of entry of the golden batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from envoy.service.accesslog.v3 import als_pb2
+
+from sidecar.accounting import budgets, logs, tracing
+from sidecar.accounting.entries import ACCOUNTING, EVERY_KEY, EVERYTHING, NOTHING, Reads, entry_of
+from sidecar.accounting.metering import Declared, Meter
+from sidecar.experiments import srm
+from sidecar.serve.server import SRM_READS
+
+from .test_access_log_golden import batch
+
+
+def entries(reads: Reads) -> list[Any]:
+    return [entry_of(x, reads) for x in als_pb2.StreamAccessLogsMessage.FromString(batch()).http_logs.log_entry]
+
+
+def test_the_sample_ratio_check_sees_the_same_callers():
+    def calls(reads: Reads) -> list[tuple[Any, ...]]:
+        seen: list[tuple[Any, ...]] = []
+        tracker = SimpleNamespace(add=lambda *a: seen.append(a))
+        for e in entries(reads):
+            srm.Tracker.observe(tracker, e)  # type: ignore[arg-type]
+        return seen
+
+    assert calls(SRM_READS) == calls(EVERYTHING)
+    assert calls(EVERYTHING)  # (the batch has some)
+
+
+def test_budgets_charge_the_same():
+    def calls(reads: Reads) -> list[tuple[Any, ...]]:
+        seen: list[tuple[Any, ...]] = []
+        fake = SimpleNamespace(
+            charge=lambda *a: seen.append(("charge", *a)),
+            _background=lambda *a: seen.append(("background", *a)),
+            snapshot=lambda: SimpleNamespace(config=SimpleNamespace(redis=object())),
+            _claimed=[],
+        )
+        fake._retrieved = lambda e: budgets.Budgets._retrieved(fake, e)  # type: ignore[arg-type]
+        for e in entries(reads):
+            budgets.Budgets.observe(fake, e)  # type: ignore[arg-type]
+        return seen + [("claimed", *c) for c in fake._claimed]
+
+    reads = budgets.Budgets.reads(None)  # type: ignore[arg-type]
+    assert calls(reads) == calls(EVERYTHING)
+    assert calls(EVERYTHING)
+
+
+def test_the_decision_log_and_spans_read_everything_while_on():
+    log = logs.DecisionLog()
+    assert log.reads() in (EVERY_KEY, NOTHING)
+    tracer = tracing.Tracer(lambda: SimpleNamespace(enabled=False))  # type: ignore[arg-type,return-value]
+    tracer._current = lambda: None  # type: ignore[method-assign]
+    assert tracer.reads() is NOTHING
+    tracer._current = lambda: object()  # type: ignore[assignment,method-assign,return-value]
+    assert tracer.reads() is EVERYTHING
+
+
+def test_a_meter_reads_the_union_and_keeps_it_while_the_parts_stand():
+    class On:
+        part = NOTHING
+
+        def reads(self) -> Reads:
+            return self.part
+
+        def observe(self, entry: Any) -> None:
+            pass
+
+    on = On()
+    meter = Meter(lambda b, s: None, None, observers=(on, Declared(on, Reads(("caller",)))))
+    first = meter.reads()
+    assert first.keys == ACCOUNTING.keys | {"caller"} and not first.trace_headers
+    assert meter.reads() is first
+    on.part = EVERYTHING
+    assert meter.reads().keys == EVERYTHING.keys and meter.reads().trace_headers
+    assert Meter(lambda b, s: None).reads() is ACCOUNTING
+    assert Meter(lambda b, s: None, None, observers=(object(),)).reads().keys == EVERYTHING.keys  # type: ignore[arg-type]
+
+
+def test_an_entry_without_a_kind_is_read_whole():
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    x = accesslog_pb2.HTTPAccessLogEntry()
+    x.common_properties.metadata.filter_metadata["model_router"].update({"family": "openai"})
+    assert entry_of(x).decision.family == "openai"
+    x.common_properties.metadata.filter_metadata["model_router"].update({"kind": "routed"})
+    assert entry_of(x).decision.family is None  # (not a key the accounting reads)
