@@ -18,7 +18,7 @@ def _log_entry(status: int, details: str, connect_failed: bool = False) -> acces
 
 def _blamed(log_entry) -> list[tuple[str, int | None]]:
     reports: list[tuple[str, int | None]] = []
-    Meter(lambda backend, status: reports.append((backend, status)))._count(entry_of(log_entry), tally={})
+    Meter(lambda backend, status: reports.append((backend, status)))._count(entry_of(log_entry), tally={}, observed={})
     return reports
 
 
