@@ -270,9 +270,19 @@ class Meter:
         # and its histogram observations, kept in order per child.
         tally: dict[Any, float] = {}
         observed: dict[Any, list[float]] = {}
+        # The batch read first, then accounted: reading its entries one after
+        # another, and accounting them one after another, is faster than
+        # alternating (each step's code and data stay in the CPU's caches). An
+        # entry that cannot be read ends the batch; those before it are accounted.
+        read: list[Entry] = []
+        unreadable: Exception | None = None
+        try:
+            read.extend(entries)
+        except Exception as exc:
+            unreadable = exc
         count = 0
         try:
-            for e in entries:
+            for e in read:
                 count += 1
                 # Each step on its own: one that fails loses neither this entry's
                 # other accounts nor the rest of the batch.
@@ -304,6 +314,8 @@ class Meter:
             except OSError as exc:
                 metrics.USAGE_RECORDS_DROPPED.inc(len(records))
                 log.error("usage records could not be written: %s", exc)
+        if unreadable is not None:
+            raise unreadable
 
     def _count(self, e: Entry, tally: dict[Any, float], observed: dict[Any, list[float]],
                tokens: Billed | None = None) -> None:

@@ -92,3 +92,32 @@ def test_an_entry_without_a_kind_is_read_whole():
     assert entry_of(x).decision.family == "openai"
     x.common_properties.metadata.filter_metadata["model_router"].update({"kind": "routed"})
     assert entry_of(x).decision.family is None  # (not a key the accounting reads)
+
+
+def test_an_entry_that_cannot_be_read_ends_the_batch_after_the_ones_before_it():
+    written: list[Any] = []
+    seen: list[Any] = []
+
+    class Sink:
+        def write(self, records: list[Any]) -> None:
+            written.extend(records)
+
+    class Seen:
+        def observe(self, entry: Any) -> None:
+            seen.append(entry)
+
+    good = entries(EVERYTHING)[:2]
+
+    def batch_with_a_bad_entry() -> Any:
+        yield from good
+        raise OverflowError("unreadable")
+
+    meter = Meter(lambda b, s: None, Sink(), observers=(Seen(),))
+    try:
+        meter.record(batch_with_a_bad_entry())
+    except OverflowError:
+        pass
+    else:
+        raise AssertionError("the failure reaches the stream, which counts it")
+    assert seen == good
+    assert [r["request_id"] for r in written] == [e.decision.request_id for e in good]
