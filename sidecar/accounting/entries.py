@@ -151,6 +151,11 @@ def entry_of(log_entry: Any, reads: Reads = ACCOUNTING) -> Entry:
 
 def _read_usage(e: Entry, usage: dict[str, Any]) -> None:
     """The usage namespace's keys onto a new entry (left at their defaults without it)."""
+    if len(usage) == 2:  # mostly just the two counts, as numbers (a Struct's are floats)
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if prompt.__class__ is float and completion.__class__ is float and prompt >= 0 and completion >= 0:
+            e.prompt_tokens, e.completion_tokens = int(prompt), int(completion)
+            return
     e.prompt_tokens = _tokens(usage, "prompt_tokens", "input_tokens")
     e.completion_tokens = _tokens(usage, "completion_tokens", "output_tokens")
     e.cut = usage.get("cut") is not None

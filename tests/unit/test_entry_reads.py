@@ -121,3 +121,41 @@ def test_an_entry_that_cannot_be_read_ends_the_batch_after_the_ones_before_it():
         raise AssertionError("the failure reaches the stream, which counts it")
     assert seen == good
     assert [r["request_id"] for r in written] == [e.decision.request_id for e in good]
+
+
+def _usage_as_before(usage: dict[str, Any]) -> tuple[Any, ...]:
+    def tokens(*keys: str) -> int | None:
+        for k in keys:
+            v = usage.get(k)
+            if isinstance(v, (int, float)) and v >= 0:
+                return int(v)
+        return None
+
+    answer = {k: v for k in ("response_id", "response_model", "finish_reason")
+              if isinstance(v := usage.get(k), str) and v}
+    return (tokens("prompt_tokens", "input_tokens"), tokens("completion_tokens", "output_tokens"),
+            usage.get("cut") is not None, v if isinstance(v := usage.get("engine_response_id"), str) else None,
+            tokens("streamed"), answer)
+
+
+def test_the_usage_counts_read_as_the_general_reading():
+    from sidecar.accounting.entries import Entry, _read_usage
+
+    values = [0.0, 1.0, 24.0, 5.5, -1.0, float("nan"), True, False, "7", None]
+    for p in values:
+        for c in values:
+            for extra in ({}, {"input_tokens": 3.0}, {"cut": "idle"}):
+                for usage in ({"prompt_tokens": p, "completion_tokens": c, **extra},
+                              {"input_tokens": p, "output_tokens": c, **extra}):
+                    e = Entry(EVERYTHING.decode(_struct({})), 200, 0.0, None, None, None, None, False, False)
+                    _read_usage(e, usage)
+                    assert (e.prompt_tokens, e.completion_tokens, e.cut, e.response_id, e.streamed,
+                            e.answer) == _usage_as_before(usage), usage
+
+
+def _struct(values: dict[str, Any]) -> Any:
+    from google.protobuf import struct_pb2
+
+    s = struct_pb2.Struct()
+    s.update(values)
+    return s
