@@ -142,7 +142,17 @@ def entry_of(log_entry: Any, reads: Reads = ACCOUNTING) -> Entry:
         local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
     )
     if USAGE_NAMESPACE in meta:
-        _read_usage(e, _plain(meta[USAGE_NAMESPACE]))
+        usage = meta[USAGE_NAMESPACE]
+        fields_ = usage.fields
+        # Mostly just the two counts, both positive: read straight from the
+        # Struct (a value of another kind reads number_value as 0.0, and goes
+        # the general way with zeros and anything else).
+        if len(fields_) == 2 and "prompt_tokens" in fields_ and "completion_tokens" in fields_ and (
+                (prompt := fields_["prompt_tokens"].number_value) > 0
+                and (completion := fields_["completion_tokens"].number_value) > 0):
+            e.prompt_tokens, e.completion_tokens = int(prompt), int(completion)
+        else:
+            _read_usage(e, _plain(usage))
     if reads.trace_headers and (headers := log_entry.request.request_headers):
         e.traceparent = headers.get("traceparent")
         e.tracestate = headers.get("tracestate")

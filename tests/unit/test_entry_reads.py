@@ -159,3 +159,21 @@ def _struct(values: dict[str, Any]) -> Any:
     s = struct_pb2.Struct()
     s.update(values)
     return s
+
+
+def test_the_usage_struct_reads_as_the_general_reading():
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    values = [0.0, 1.0, 24.0, 5.5, 1e15, -1.0, float("nan"), True, False, "7", None]
+    for p in values:
+        for c in values:
+            for extra in ({}, {"input_tokens": 3.0}, {"finish_reason": "stop"}):
+                for usage in ({"prompt_tokens": p, "completion_tokens": c, **extra},
+                              {"input_tokens": p, "output_tokens": c, **extra}):
+                    x = accesslog_pb2.HTTPAccessLogEntry()
+                    x.common_properties.metadata.filter_metadata["model_router_usage"].update(usage)
+                    e = entry_of(x)
+                    plain = {k: (None if v is None else float(v) if isinstance(v, float) else v)
+                             for k, v in usage.items()}
+                    assert (e.prompt_tokens, e.completion_tokens, e.cut, e.response_id, e.streamed,
+                            e.answer) == _usage_as_before(plain), usage
