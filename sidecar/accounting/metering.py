@@ -248,6 +248,7 @@ class Meter:
         self._dynamic: tuple[Callable[[], Reads], ...] = tuple(dynamic)
         self._parts: tuple[Reads, ...] = ()
         self._reads = fixed
+        self._arms: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def reads(self) -> Reads:
         """What the accounting and its observers read of an entry now (for
@@ -338,12 +339,13 @@ class Meter:
                                      d.fallback_to, d.fallback_reason or "").inc()
         if not experiment or not variant:
             return
+        arm = self._arms.get((experiment, variant)) or self._arm(experiment, variant)
         if kind in _COUNTED_KINDS:
             child = metrics.EXPERIMENT_REQUESTS_OF(experiment, variant, status_class(e), d.assignment or "sticky")
             tally[child] = tally.get(child, 0) + 1
             duration = e.headers_s if e.headers_s is not None else e.total_s
             if duration is not None:
-                child = metrics.EXPERIMENT_DURATION_OF(experiment, variant)
+                child = arm[0] if arm is not None else metrics.EXPERIMENT_DURATION_OF(experiment, variant)
                 if (values := observed.get(child)) is None:
                     observed[child] = [duration]
                 else:
@@ -355,12 +357,34 @@ class Meter:
             return  # count_tokens reports the size of a prompt nobody ran
         if tokens is None:
             tokens = billed(e)
-        for name, n in (("prompt", tokens.prompt_tokens), ("completion", tokens.completion_tokens)):
-            if n:
-                child = metrics.EXPERIMENT_TOKENS_OF(experiment, variant, name)
-                tally[child] = tally.get(child, 0) + n
-                if tokens.estimated:
-                    metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, name).inc(n)
+        if n := tokens.prompt_tokens:
+            child = arm[1] if arm is not None else metrics.EXPERIMENT_TOKENS_OF(experiment, variant, "prompt")
+            tally[child] = tally.get(child, 0) + n
+            if tokens.estimated:
+                metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, "prompt").inc(n)
+        if n := tokens.completion_tokens:
+            child = arm[2] if arm is not None else metrics.EXPERIMENT_TOKENS_OF(experiment, variant, "completion")
+            tally[child] = tally.get(child, 0) + n
+            if tokens.estimated:
+                metrics.EXPERIMENT_ESTIMATED_TOKENS.labels(experiment, variant, "completion").inc(n)
+
+    def _arm(self, experiment: str, variant: str) -> tuple[Any, Any, Any] | None:
+        """An arm's duration histogram and prompt and completion token counters,
+        looked up together once all three exist (a configured arm's are made
+        with its configuration); else None, and each is looked up when it
+        moves, so that no series appears that never moved."""
+        tokens = metrics.EXPERIMENT_TOKENS._metrics
+        if ((experiment, variant) not in metrics.EXPERIMENT_DURATION._metrics
+                or (experiment, variant, "prompt") not in tokens or (experiment, variant, "completion") not in tokens):
+            return None
+        if len(self._arms) >= metrics.Children.LIMIT:
+            self._arms.clear()
+        arm = self._arms[experiment, variant] = (
+            metrics.EXPERIMENT_DURATION_OF(experiment, variant),
+            metrics.EXPERIMENT_TOKENS_OF(experiment, variant, "prompt"),
+            metrics.EXPERIMENT_TOKENS_OF(experiment, variant, "completion"),
+        )
+        return arm
 
 
 def observe_all(histogram: Any, values: list[float]) -> None:
