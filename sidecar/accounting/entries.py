@@ -136,11 +136,17 @@ def entry_of(log_entry: Any, reads: Reads = ACCOUNTING) -> Entry:
         upstream_failed,
         client_gone,
         rate_limited,
-        via_upstream=via_upstream,
-        # No upstream address and no response flag: Envoy answered itself for
+        False,
+        None,
+        None,
+        # local_reply: no upstream address and no response flag: Envoy answered itself for
         # a reason none of its flags name (the request, not a backend or Envoy's state).
-        local_reply=not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
-    )
+        not flagged and not via_upstream and not common.HasField("upstream_remote_address"),
+        None,
+        None,
+        {},
+        via_upstream,
+    )  # (every field positionally: keywords cost 0.3 µs)
     if USAGE_NAMESPACE in meta:
         usage = meta[USAGE_NAMESPACE]
         fields_ = usage.fields
