@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
-from .entries import EVERY_KEY, NOTHING, Reads
+from ..decision import EMPTY, Decision
+from .entries import NOTHING, Reads
 
 if TYPE_CHECKING:  # the worker supervisor logs too, and loads no gRPC
-    from ..decision import Decision
     from .metering import Entry
 
 FORMATS = ("text", "json")
@@ -49,6 +49,7 @@ def _fields(d: Decision) -> tuple[tuple[str, str | None], ...]:
 
 
 _REFUSALS = ("refusal", "shed")
+_READS = Reads(name for name, _ in _fields(EMPTY))
 
 
 class JsonFormatter(logging.Formatter):
@@ -135,8 +136,8 @@ class DecisionLog:
     """A metering observer: one line per request the sidecar decided."""
 
     def reads(self) -> Reads:
-        """The whole decision, while its lines are written (refusals at INFO)."""
-        return EVERY_KEY if decisions.isEnabledFor(logging.INFO) else NOTHING
+        """The decision's keys a line shows, while lines are written (refusals at INFO)."""
+        return _READS if decisions.isEnabledFor(logging.INFO) else NOTHING
 
     def observe(self, entry: Entry) -> None:
         d = entry.decision

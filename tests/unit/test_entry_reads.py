@@ -53,9 +53,45 @@ def test_budgets_charge_the_same():
     assert calls(EVERYTHING)
 
 
-def test_the_decision_log_and_spans_read_everything_while_on():
+def test_the_decision_log_writes_the_same_lines():
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.lines: list[Any] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append((record.levelno, record.getMessage(), record.fields))  # type: ignore[attr-defined]
+
+    def lines(reads: Reads) -> list[Any]:
+        handler = Lines()
+        logs.decisions.addHandler(handler)
+        level = logs.decisions.level
+        logs.decisions.setLevel(logging.DEBUG)
+        try:
+            for e in entries(reads):
+                logs.DecisionLog().observe(e)
+        finally:
+            logs.decisions.removeHandler(handler)
+            logs.decisions.setLevel(level)
+        return handler.lines
+
     log = logs.DecisionLog()
-    assert log.reads() in (EVERY_KEY, NOTHING)
+    level = logs.decisions.level
+    try:
+        logs.decisions.setLevel(logging.INFO)
+        reads = log.reads()
+        assert reads.keys < EVERY_KEY.keys and not reads.trace_headers
+        assert lines(reads) == lines(EVERYTHING)
+        assert len(lines(EVERYTHING)) > 20
+        logs.decisions.setLevel(logging.WARNING)
+        assert log.reads() is NOTHING
+    finally:
+        logs.decisions.setLevel(level)
+
+
+def test_spans_read_everything_while_on():
     tracer = tracing.Tracer(lambda: SimpleNamespace(enabled=False))  # type: ignore[arg-type,return-value]
     tracer._current = lambda: None  # type: ignore[method-assign]
     assert tracer.reads() is NOTHING
