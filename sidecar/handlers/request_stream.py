@@ -145,7 +145,7 @@ class RequestHandler:
     async def body(self, st: RequestState, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
         """The answers to the body: the decision (an ``:online`` request first
         gets a longer message timeout)."""
-        excess = await self.json_budget.excess(body)
+        excess = await self.json_budget.excess(body, st.snap.config.server.message_timeout_ms / 2000)
         if excess is not None:
             yield self._refuse(self._too_complex(st, excess), st)
             return

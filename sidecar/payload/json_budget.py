@@ -102,9 +102,11 @@ class Budget:
         self._refusals = asyncio.Lock()
         self._pool: ProcessPoolExecutor | None = None
 
-    async def excess(self, body: bytes) -> str | None:
+    async def excess(self, body: bytes, patience: float = 60.0) -> str | None:
         """What the body holds too much of (``"more than 100000 JSON object
-        members"``), or None when the router may parse it."""
+        members"``), or None when the router may parse it. A refusal is held
+        (waiting for its turn included) at most ``patience`` seconds, so it
+        still reaches its client before Envoy stops waiting for the answer."""
         start = _LEADING_WS.match(body).end()  # type: ignore[union-attr]
         if body[start:start + 1] not in (b"{", b"["):
             return None  # not JSON (a form, say): the JSON parser never sees it
@@ -116,8 +118,11 @@ class Budget:
                                              initializer=lowest_priority)
         problem = self._problem(await asyncio.get_running_loop().run_in_executor(self._pool, measure, body))
         if problem is not None:
-            async with self._refusals:  # one held refusal at a time per worker
-                await self._hold(len(body) / REFUSED_BYTES_PER_SECOND)
+            try:
+                async with asyncio.timeout(patience), self._refusals:  # one held refusal at a time per worker
+                    await self._hold(len(body) / REFUSED_BYTES_PER_SECOND)
+            except TimeoutError:
+                pass
         return problem
 
     def _problem(self, size: Size) -> str | None:

@@ -88,6 +88,18 @@ def test_refusals_are_held_one_at_a_time_for_their_size():
                                                                  len(bigger) / REFUSED_BYTES_PER_SECOND]
 
 
+def test_a_refusal_waits_no_longer_than_its_patience():
+    async def forever(seconds: float) -> None:
+        await asyncio.Event().wait()
+
+    budget = Budget(hold=forever)
+    try:
+        assert asyncio.run(budget.excess(members(MAX_MEMBERS + 1), patience=0.1)) == (
+            f"more than {MAX_MEMBERS} JSON object members")
+    finally:
+        budget.close()
+
+
 @pytest.mark.integration
 def test_a_body_of_too_many_members_is_refused_in_the_family_shape(stack_factory):
     stack = stack_factory('backends: [{name: pool, url: "demo://", models: [m]}]\n')
