@@ -145,8 +145,9 @@ class RequestHandler:
     async def body(self, st: RequestState, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
         """The answers to the body: the decision (an ``:online`` request first
         gets a longer message timeout)."""
-        if not await self.json_budget.within(body):
-            yield self._refuse(self._too_complex(st), st)
+        excess = await self.json_budget.excess(body, st.snap.config.server.message_timeout_ms / 2000)
+        if excess is not None:
+            yield self._refuse(self._too_complex(st, excess), st)
             return
         if st.ingress is None and not st.passthrough and is_feedback(st.path):
             yield await self._feedback(st, body)
@@ -236,9 +237,9 @@ class RequestHandler:
             return self._refuse(route, st)
         return self._routed(st, route, phase, kind)
 
-    def _too_complex(self, st: RequestState) -> Reply:
-        return errors.error("invalid_json", f"The request body has more than {self.json_budget.max_members} JSON "
-                            "object members; the router does not read it.", st.family, param=None)
+    def _too_complex(self, st: RequestState, excess: str) -> Reply:
+        return errors.error("invalid_json", f"The request body has {excess}; the router does not read it.",
+                            st.family, param=None)
 
     def _decide(self, st: RequestState, body: bytes, phase: str) -> pb.ProcessingResponse:
         self._counter += 1

@@ -1,14 +1,15 @@
 """Bodies whose JSON would take the event loop seconds to build are refused
-before they are parsed; the rest are read as before."""
+before they are parsed, at a bounded rate; the rest are read as before."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
-from sidecar.payload.json_budget import MAX_MEMBERS, Budget, count_members
+from sidecar.payload.json_budget import INLINE_BYTES, MAX_MEMBERS, MAX_VALUES, REFUSED_BYTES_PER_SECOND, Budget
 
 from .test_bad_input import check_error
 
@@ -18,11 +19,11 @@ def members(n: int, spaced: bool = False) -> bytes:
     return b'{"model":"m","messages":[],' + b",".join(b'"k%x' % i + sep + b"1" for i in range(n)) + b"}"
 
 
-def judge(*bodies: bytes) -> list[bool]:
-    budget = Budget()
+def judge(*bodies: bytes) -> list[str | None]:
+    budget = Budget(hold=no_hold)
 
-    async def run() -> list[bool]:
-        return [await budget.within(b) for b in bodies]
+    async def run() -> list[str | None]:
+        return [await budget.excess(b) for b in bodies]
 
     try:
         return asyncio.run(run())
@@ -30,22 +31,73 @@ def judge(*bodies: bytes) -> list[bool]:
         budget.close()
 
 
-def test_bodies_are_judged_by_their_object_members():
+async def no_hold(seconds: float) -> None:
+    pass
+
+
+def test_bodies_are_judged_by_what_their_parse_would_build():
     colons = b'{"model":"m","messages":[{"role":"user","content":"' + b"12:30:45 " * (MAX_MEMBERS // 2) + b'"}]}'
     embedded = b'{"model":"m","x":"' + b'{\\"a\\":1,' * (MAX_MEMBERS + 10) + b'"}'
+    empty_arrays = b'{"model":"m","x":[' + b",".join([b"[]"] * (MAX_VALUES // 2)) + b"]}"
+    too_many = f"more than {MAX_MEMBERS} JSON object members"
     assert judge(
         members(100),
         members(MAX_MEMBERS + 1),  # counted exactly, off the loop
         members(MAX_MEMBERS + 1, spaced=True),
         colons,  # colons in text: counted exactly, and within
         embedded,  # keys inside a string are text
+        empty_arrays,  # one member, but a million values
+        b'{"model":"m","x":"' + b"[" * (2 * MAX_VALUES) + b'"}',  # brackets in text
         b"--boundary\r\n" + b":" * (MAX_MEMBERS + 1),  # not JSON at all
-    ) == [True, False, False, True, True, True]
+    ) == [None, too_many, too_many, None, None, f"more than {MAX_VALUES} JSON values", None, None]
 
 
-def test_the_exact_count_covers_every_depth():
-    assert count_members(b'{"a": {"b": [1, {"c": 2, "d": 3}]}, "e": []}') == 5
-    assert count_members(b"not json") == 0
+def test_refusals_are_held_one_at_a_time_for_their_size():
+    holds: list[tuple[str, float]] = []
+    release = asyncio.Event()
+
+    async def hold(seconds: float) -> None:
+        holds.append(("start", seconds))
+        await release.wait()
+        holds.append(("end", seconds))
+
+    big, bigger = members(MAX_MEMBERS + 1), members(MAX_MEMBERS + 2) + b" " * 1000
+    within = members(100) + b" " * INLINE_BYTES  # past the inline bound, so counted in the helper too
+    budget = Budget(hold=hold)
+
+    async def run() -> list[str | None]:
+        tasks = [asyncio.create_task(budget.excess(b)) for b in (big, bigger, within)]
+        deadline = time.monotonic() + 120
+        # Until the second refusal waits for the first's hold to end (or starts its own hold),
+        # and the body within its budget is judged.
+        while (len(holds) < 2 and not budget._refusals._waiters) or not tasks[2].done():  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, holds
+            await asyncio.sleep(0.01)
+        assert [kind for kind, _ in holds] == ["start"], holds
+        assert tasks[2].done()  # the body within its budget is never held
+        release.set()
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        budget.close()
+    assert results == [f"more than {MAX_MEMBERS} JSON object members"] * 2 + [None]
+    assert [kind for kind, _ in holds] == ["start", "end", "start", "end"]
+    assert sorted(s for kind, s in holds if kind == "start") == [len(big) / REFUSED_BYTES_PER_SECOND,
+                                                                 len(bigger) / REFUSED_BYTES_PER_SECOND]
+
+
+def test_a_refusal_waits_no_longer_than_its_patience():
+    async def forever(seconds: float) -> None:
+        await asyncio.Event().wait()
+
+    budget = Budget(hold=forever)
+    try:
+        assert asyncio.run(budget.excess(members(MAX_MEMBERS + 1), patience=0.1)) == (
+            f"more than {MAX_MEMBERS} JSON object members")
+    finally:
+        budget.close()
 
 
 @pytest.mark.integration
@@ -56,6 +108,10 @@ def test_a_body_of_too_many_members_is_refused_in_the_family_shape(stack_factory
                        headers={"content-type": "application/json"}, timeout=60)
         doc = check_error(r.status_code, r.headers, r.content, family)
         assert r.status_code == 400 and "object members" in doc["error"]["message"], doc
+    r = httpx.post(stack.url + "/v1/chat/completions", content=b'{"model":"m","x":[' + b",".join([b"[]"] * MAX_VALUES) + b"]}",
+                   headers={"content-type": "application/json"}, timeout=60)
+    doc = check_error(r.status_code, r.headers, r.content, "openai")
+    assert r.status_code == 400 and f"more than {MAX_VALUES} JSON values" in doc["error"]["message"], doc
     ok = httpx.post(stack.url + "/v1/chat/completions", content=members(1000),
                     headers={"content-type": "application/json"}, timeout=60)
     assert ok.status_code == 200, ok.text

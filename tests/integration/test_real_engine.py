@@ -266,7 +266,8 @@ def test_an_engine_without_metrics_is_reported_missing_with_the_flag_named(stack
 
 
 def test_nitro_prefers_the_idle_fast_engine_to_the_busy_slow_one(stack, engines):
-    chat(stack, "tiny-b", max_tokens=2)  # both engines have decoded: both are rated
+    chat(stack, "tiny-a", max_tokens=2)  # both engines have decoded: both are rated
+    chat(stack, "tiny-b", max_tokens=2)
     wait_for(lambda: all(backends(stack)[n]["throughput_tps"] for n in ("llama-a", "llama-b")), "both rated")
     with busy(engines["b"], 2):
         wait_for(lambda: backends(stack)["llama-b"]["running"] == 2, "llama-b busy")
