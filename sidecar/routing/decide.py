@@ -7,6 +7,7 @@ experiment -> selection (over the fallback chain) -> plan -> cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,10 +22,12 @@ from .assignment import is_blank
 from .attempts import Hop
 from .cache_key import plan_cache
 from .context import Parsed, Request, parse, sticky_value
+from .front import Front, front
+from .memo import PerSnapshot
 from .reservation import reserved_by
 from .route import Fallback, ResponsePlan, Route, upstream_auth
 from .snapshot import BackendInfo, ExperimentInfo, Snapshot
-from .suffixes import SUFFIXES, Suffix, split, supported
+from .suffixes import SUFFIXES, Suffix, supported
 from .trace import AttemptTrace, Trace
 
 Edits = dict[str, Any]  # top-level body fields to set
@@ -35,7 +38,7 @@ class _Target:
     """What the experiment stage leaves for selection."""
 
     model: str  # the model to dispatch first
-    allowed: set[str] | None  # backends the request may use (key allow-list, arm pin)
+    allowed: frozenset[str] | None  # backends the request may use (key allow-list, arm pin)
     may_fall_back: bool  # walk the model's fallback chain when it has no admissible backend
     continues: tuple[str, str] | None = None  # (owner backend, engine's id) of previous_response_id
 
@@ -53,10 +56,10 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if trace is not None:
         trace.stage("parse", f"the request names model '{parsed.model}'", model=parsed.model,
                     ingress=req.ingress.path, family=family)
-    requested, client_model, word = _names(snap, req, parsed.model)
-    refusal = _key_gate(req, client_model, parsed.model) or _reservation(snap, req, client_model, parsed.model)
-    if refusal is not None:
-        return refusal
+    first = front(snap, req, parsed.model)
+    if first.refusal is not None:
+        return first.refusal
+    requested, client_model, word = first.requested, first.client_model, first.word
     continues = _continues(snap, req, parsed)
     if isinstance(continues, Reply):
         return continues
@@ -66,12 +69,12 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         return limited
     plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens", estimate=cost,
                         background=req.ingress.response_ids and (parsed.json or {}).get("background") is True)
-    target = _experiment(snap, req, parsed, client_model, plan)
+    target = _experiment(snap, req, parsed, first, plan)
     if isinstance(target, Reply):
         return _attributed(target, plan)
     if continues is not None:
         owner = continues[0]
-        target.allowed = {owner} if target.allowed is None else target.allowed & {owner}
+        target.allowed = frozenset((owner,)) if target.allowed is None else target.allowed & {owner}
         target.continues = continues
     chosen = _select(snap, req, parsed, target, requested, word, plan)
     if isinstance(chosen, Reply):
@@ -199,53 +202,9 @@ def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
     return replace(reply, meta=reply.meta | plan.decision().without(KIND))
 
 
-def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | None]:
-    """model_aliases (on the ingresses that honour them), then a variant suffix
-    (on those that read them; the exact name wins): (requested, base, suffix)."""
-    requested = snap.aliases.get(sent, sent) if req.ingress.aliases else sent
-    suffixes = req.ingress.suffixes and snap.config.proxy.variant_suffixes.enabled
-    base, word = split(snap, requested) if suffixes else (requested, None)
-    if req.trace is not None:
-        verdict = f"'{sent}'" + (f" -> '{requested}' by model_aliases" if requested != sent else "")
-        if word is not None:
-            verdict += f"; variant suffix ':{word}' on base '{base}'"
-        req.trace.stage("names", verdict, sent=sent, after_aliases=requested, base=base, suffix=word,
-                        aliases_read=req.ingress.aliases, suffixes_read=suffixes)
-    return requested, base, word
-
-
-def _key_gate(req: Request, client_model: str, sent: str) -> Reply | None:
-    """The per-key model gate judges the client-facing (base) name; its
-    refusal names the model as sent (never what an alias stands for)."""
-    key = req.caller.key
-    allowed = key.allowed_models if key is not None else None
-    refused = allowed is not None and client_model not in allowed
-    if req.trace is not None:
-        verdict = "pass: the key has no allowed_models" if allowed is None else (
-            f"refused: '{client_model}' is not in the key's allowed_models" if refused
-            else f"pass: '{client_model}' is in the key's allowed_models")
-        req.trace.stage("key_gate", verdict, allowed_models=allowed)
-    return errors.model_not_permitted(sent, req.ingress.family) if refused else None
-
-
-def _reservation(snap: Snapshot, req: Request, client_model: str, sent: str) -> Reply | None:
-    """A reserved variant model named outside its experiment is answered
-    exactly like a model the router does not have."""
-    reserving = reserved_by(snap, client_model, aliases=req.ingress.aliases)
-    if req.trace is not None:
-        req.trace.stage("reservation", "not reserved" if reserving is None else (
-            f"refused: reserved by the hidden experiment '{reserving}', answered as an unknown model"),
-            reserved_by=reserving)
-    return errors.model_not_found(sent, req.ingress.family, reserved_by=reserving) if reserving is not None else None
-
-
-def _experiment(
-    snap: Snapshot, req: Request, parsed: Parsed, client_model: str, plan: ResponsePlan,
-) -> _Target | Reply:
+def _experiment(snap: Snapshot, req: Request, parsed: Parsed, first: Front, plan: ResponsePlan) -> _Target | Reply:
     """The experiment picks an arm; its pin narrows the key's backend allow-list."""
-    key = req.caller.key
-    allowed = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
-    info = snap.experiments.get(client_model) if req.ingress.experiments else None
+    client_model, allowed, info = first.client_model, first.allowed, first.info
     if info is None:
         if req.trace is not None:
             req.trace.stage("experiment", f"none: '{client_model}' is not an experiment's client model"
@@ -271,12 +230,25 @@ def _experiment(
     plan.rewrite_model = client_model if exp.response_model == "client" else None
     plan.read_usage = req.ingress.usage
     if variant.backends is not None:
-        allowed = set(variant.backends) if allowed is None else allowed & set(variant.backends)
+        allowed = _pinned(snap, info, index, allowed)
     if req.trace is not None:  # the experiment stage _traced_arm recorded
         req.trace.stages[-1].update(pin=variant.backends, backends=_sorted(allowed), fallback=exp.fallback)
     if variant.backends is not None and not allowed:
         return errors.model_not_permitted(parsed.model, req.ingress.family)
     return _Target(variant.model, allowed, may_fall_back=exp.fallback == "cross_variant")
+
+
+_pins: PerSnapshot[frozenset[str]] = PerSnapshot()
+
+
+def _pinned(snap: Snapshot, info: ExperimentInfo, index: int, allowed: frozenset[str] | None) -> frozenset[str]:
+    """The backends an arm with a pin may use: its pin, inside the key's allow-list."""
+
+    def compute() -> frozenset[str]:
+        pin = frozenset(info.config.variants[index].backends or ())
+        return pin if allowed is None else allowed & pin
+
+    return _pins.get(snap, (info.index, index, allowed), compute)
 
 
 def _traced_arm(trace: Trace, info: ExperimentInfo, sticky: str | None, req: Request) -> int:
@@ -299,15 +271,26 @@ def _traced_arm(trace: Trace, info: ExperimentInfo, sticky: str | None, req: Req
     return a.variant_index
 
 
-def _sorted(backends: set[str] | None) -> list[str] | None:
+def _sorted(backends: frozenset[str] | None) -> list[str] | None:
     return None if backends is None else sorted(backends)
 
 
+_served: PerSnapshot[tuple[str, tuple[BackendInfo, ...]]] = PerSnapshot()
+
+
 def _candidates(
-    snap: Snapshot, name: str, allowed: set[str] | None, rec: AttemptTrace | None,
-) -> tuple[str, list[BackendInfo]]:
+    snap: Snapshot, name: str, allowed: frozenset[str] | None, rec: AttemptTrace | None,
+) -> tuple[str, tuple[BackendInfo, ...]]:
     """Metadata alias dispatch, then the backends that serve the model and that
     the request may use: (the id to dispatch, those backends)."""
+    if rec is None:
+        return _served.get(snap, (name, allowed), lambda: _serving(snap, name, allowed, None))
+    return _serving(snap, name, allowed, rec)
+
+
+def _serving(
+    snap: Snapshot, name: str, allowed: frozenset[str] | None, rec: AttemptTrace | None,
+) -> tuple[str, tuple[BackendInfo, ...]]:
     model, serving = snap.resolve(name)
     out = []
     for n in serving:
@@ -319,7 +302,7 @@ def _candidates(
             rec.verdict(n, "not a candidate: " + ("internal" if b.internal else "outside the allowed backends"))
     if rec is not None:
         rec.model = model
-    return model, out
+    return model, tuple(out)
 
 
 def _select(
@@ -331,7 +314,8 @@ def _select(
     family = req.ingress.family
     trace = req.trace
     rec = trace.attempt(target.model, "first") if trace is not None else None
-    model, candidates = _candidates(snap, target.model, target.allowed, rec)
+    model, candidates_ = _candidates(snap, target.model, target.allowed, rec)
+    candidates: Sequence[BackendInfo] = candidates_
     if not candidates and target.continues is not None:
         # The response it continues is held where this model (or this caller) cannot go.
         return errors.previous_response_not_found(_previous_id(parsed))
@@ -349,11 +333,16 @@ def _select(
             return checked
         candidates, edits = checked
         plan.suffix, plan.rewrite_model = word, requested
-    ctx = selection.Context(snap, req.states, req.mono, req.pick, req.rand)
     ranker = suffix.ranker if suffix is not None else None
-    first = selection.select(
-        ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
-    )
+    ctx = selection.Context(snap, req.states, req.mono, req.pick, req.rand)
+    if ranker is None and rec is None and len(candidates) == 1:
+        # One candidate, nothing to rank: the selection is whether it is admitted.
+        lone = candidates[0]
+        first = selection.Selection(lone, False) if selection.lone_admitted(ctx, lone) else None
+    else:
+        first = selection.select(
+            ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
+        )
     online = suffix is not None and suffix.online
     may_fall_back = target.may_fall_back and not online
     chain = [h for h in fallback_hops(snap, target.model, model) if _permitted(req, h)] if may_fall_back else []
@@ -400,7 +389,8 @@ def _hop_selection(
 ) -> tuple[str, BackendInfo] | None:
     """One hop's selection: inside the request's allow-list (and ``among``),
     no ranker, no preference: (the id it dispatches as, the backend) or None."""
-    hop_model, candidates = _candidates(snap, hop, target.allowed, rec)
+    hop_model, served = _candidates(snap, hop, target.allowed, rec)
+    candidates: Sequence[BackendInfo] = served
     if among is not None:
         candidates = [b for b in candidates if b.name in among]
     chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=data), rec) if candidates else None
@@ -467,9 +457,9 @@ def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
 
 
 def _suffix_checks(
-    snap: Snapshot, model: str, candidates: list[BackendInfo], suffix: Suffix, data: Edits, requested: str,
+    snap: Snapshot, model: str, candidates: Sequence[BackendInfo], suffix: Suffix, data: Edits, requested: str,
     word: str, family: str, rec: AttemptTrace | None,
-) -> tuple[list[BackendInfo], Edits] | Reply:
+) -> tuple[Sequence[BackendInfo], Edits] | Reply:
     """Refusals a suffix can cause before anything is chosen, and its edits."""
     if not supported(snap, model, suffix):
         return _unsupported(requested, word, family)
