@@ -116,23 +116,19 @@ def select(
         candidates, edits = checked
         plan.suffix, plan.rewrite_model = word, requested
     ranker = suffix.ranker if suffix is not None else None
-    ctx = selection.Context(snap, req.states, req.mono, req.pick, req.rand)
-    if ranker is None and rec is None and len(candidates) == 1:
-        # One candidate, nothing to rank: the selection is whether it is admitted.
-        lone = candidates[0]
-        first = selection.Selection(lone, False) if selection.lone_admitted(ctx, lone) else None
-    else:
-        first = selection.select(
-            ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
-        )
+    first, ctx = _first(snap, req, model, candidates, ranker, data, rec)
     online = suffix is not None and suffix.online
     may_fall_back = target.may_fall_back and not online
     chain = [h for h in fallback_hops(snap, target.model, model) if _permitted(req, h)] if may_fall_back else []
     if first is not None:
         plan.suffix_applied = first.ranked or ranker is None
         plan.drop_effort = "reasoning_effort" in edits
+        if not chain:
+            return model, first.backend, edits, ()
+        ctx = ctx or _context(req, snap)
         return model, first.backend, edits, _retry_hops(snap, req, ctx, target, (target.model, first.backend), chain, parsed)
     if may_fall_back:
+        ctx = ctx or _context(req, snap)
         hop = _fall_back(snap, req, ctx, target, chain, data)
         if hop is not None:
             at, hop_model, backend = hop
@@ -144,6 +140,25 @@ def select(
         trace.stage("fallback", "not tried: :online requests do not fall back" if online
                     else "not tried: the experiment's fallback is within_variant")
     return errors.error("no_backend", f"No healthy backend can serve the model '{sent}' right now.", family)
+
+
+def _first(
+    snap: Snapshot, req: Request, model: str, candidates: Sequence[BackendInfo], ranker: str | None, data: Edits,
+    rec: AttemptTrace | None,
+) -> tuple[selection.Selection | None, selection.Context | None]:
+    """The first attempt's selection, and its context (None when it needed none)."""
+    if ranker is None and rec is None and len(candidates) == 1:
+        # One candidate, nothing to rank: the selection is whether it is admitted.
+        lone = candidates[0]
+        admitted = selection.lone_admitted(snap, req.states, req.mono, lone)
+        return (selection.Selection(lone, False) if admitted else None), None
+    ctx = _context(req, snap)
+    attempt = selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data)
+    return selection.select(ctx, attempt, rec), ctx
+
+
+def _context(req: Request, snap: Snapshot) -> selection.Context:
+    return selection.Context(snap, req.states, req.mono, req.pick, req.rand)
 
 
 def _fall_back(
