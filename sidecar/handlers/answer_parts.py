@@ -67,7 +67,7 @@ class AnswerParts:
         ``mode`` as its mode override, or "body"): the header mutation (``shared``
         and ``remove``, then the request's ``own`` headers), the new ``body`` and
         ``{namespace: md}`` as dynamic metadata. Takes the per-request fields out of ``md``."""
-        mine = {k: md.pop(k) for k in PER_REQUEST if k in md}
+        mine = [(k, md.pop(k)) for k in PER_REQUEST.intersection(md)]
         key = (phase, tuple(md.items()), shared, remove)
         skeleton = self._known.get(key)
         if skeleton is None:
@@ -82,9 +82,13 @@ class AnswerParts:
             common.body_mutation.body = body
         if mine:
             inner = resp.dynamic_metadata.fields[namespace].struct_value
-            for k, v in mine.items():
+            fields = inner.fields
+            for k, v in mine:
+                # As Struct.update sets them, without its Python-level dispatch for the usual kinds.
                 if isinstance(v, str):
-                    inner.fields[k].string_value = v
+                    fields[k].string_value = v
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    fields[k].number_value = v
                 else:
                     inner.update({k: v})
         return resp
