@@ -398,7 +398,7 @@ class RequestHandler:
                 st.family,
             )
         remove = route.remove_headers
-        if any(name in st.headers for name in CLIENT_ROUTER_HEADERS):
+        if not st.headers.keys().isdisjoint(CLIENT_ROUTER_HEADERS):
             remove += tuple(name for name in CLIENT_ROUTER_HEADERS if name in st.headers)  # never upstream
         return shared, remove, own
 
