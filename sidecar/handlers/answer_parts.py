@@ -15,7 +15,7 @@ as a passthrough model name, could otherwise grow it without end).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
@@ -62,29 +62,40 @@ class AnswerParts:
         self._known: dict[Any, pb.ProcessingResponse] = {}
 
     def routed(self, phase: str, mode: Any, namespace: str, md: dict[str, Any], shared: tuple[tuple[str, str], ...],
-               remove: tuple[str, ...], own: Iterable[tuple[str, str]], body: bytes | None) -> pb.ProcessingResponse:
+               remove: tuple[str, ...], own: Sequence[tuple[str, str]], body: bytes | None) -> pb.ProcessingResponse:
         """The answer that sends a request on at ``phase`` ("headers" with
         ``mode`` as its mode override, or "body"): the header mutation (``shared``
         and ``remove``, then the request's ``own`` headers), the new ``body`` and
         ``{namespace: md}`` as dynamic metadata. Takes the per-request fields out of ``md``."""
-        mine = {k: md.pop(k) for k in PER_REQUEST if k in md}
-        key = (phase, tuple(md.items()), shared, remove)
+        mine = [(k, md.pop(k)) for k in PER_REQUEST.intersection(md)]
+        # The request's own headers' names are part of the shape: the skeleton
+        # holds them, and only their values are set on the copy.
+        key = (phase, tuple(md.items()), shared, remove, tuple([k for k, _ in own]))
         skeleton = self._known.get(key)
         if skeleton is None:
             if len(self._known) >= LIMIT:
                 self._known.clear()
-            skeleton = self._known[key] = _skeleton(phase, mode, namespace, md, shared, remove)
+            skeleton = self._known[key] = _skeleton(phase, mode, namespace, md, (*shared, *own), remove)
         resp = pb.ProcessingResponse()
         resp.CopyFrom(skeleton)
         common = resp.request_headers.response if phase == "headers" else resp.request_body.response
-        add_headers(common.header_mutation, own)
+        if own:
+            sets = common.header_mutation.set_headers
+            at = len(shared)
+            for _, v in own:
+                sets[at].header.raw_value = v.encode("utf-8")
+                at += 1
         if body is not None:
             common.body_mutation.body = body
         if mine:
             inner = resp.dynamic_metadata.fields[namespace].struct_value
-            for k, v in mine.items():
+            fields = inner.fields
+            for k, v in mine:
+                # As Struct.update sets them, without its Python-level dispatch for the usual kinds.
                 if isinstance(v, str):
-                    inner.fields[k].string_value = v
+                    fields[k].string_value = v
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    fields[k].number_value = v
                 else:
                     inner.update({k: v})
         return resp

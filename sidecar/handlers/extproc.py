@@ -123,10 +123,12 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
                 stream = self._response(first, messages)
             elif is_hop(first):  # a fallback attempt on a hop's cluster
                 stream = self._hop(first, messages)
-            elif is_shadow(first):  # a shadow copy on its arm's cluster
-                stream = self._copy(first, messages, context)
             else:
-                stream = self._request(first, messages)
+                st = RequestState()  # the request headers, read once for both questions
+                if is_shadow(st.read(first.request_headers)):  # a shadow copy on its arm's cluster
+                    stream = self._copy(first, messages, context)
+                else:
+                    stream = self._request(first, messages, st)
             async for answer in stream:
                 yield answer
         except Exception:
@@ -136,14 +138,14 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             self.in_flight -= 1
 
-    async def _request(self, first: pb.ProcessingRequest,
-                       messages: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
-        """A client's request: the decision at its headers, or at its body."""
+    async def _request(self, first: pb.ProcessingRequest, messages: AsyncIterator[pb.ProcessingRequest],
+                       st: RequestState) -> AsyncIterator[pb.ProcessingResponse]:
+        """A client's request (its headers read into ``st``): the decision at
+        its headers, or at its body."""
         if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
             yield self.requests.shed(first.request_headers)
             return
         self.runtime.count_request()
-        st = RequestState()
         resp = await self.requests.headers(st, first.request_headers)
         yield resp
         if resp.mode_override.request_body_mode != pm.ProcessingMode.BUFFERED:

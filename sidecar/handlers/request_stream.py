@@ -83,6 +83,22 @@ class RequestState:
         self.trace: Trace | None = None  # an operator asked for this request's decision trace
         self.span_id: str | None = None  # the router's span, named upstream when the client sent no traceparent
 
+    def read(self, msg: pb.HttpHeaders) -> dict[str, str]:
+        """Read the request headers once, into :attr:`headers` (as ``header_map``
+        reads them), counting them and their bytes for the header limits."""
+        out: dict[str, str] = {}
+        entries = msg.headers.headers
+        for x in entries:
+            raw = x.raw_value
+            out[x.key] = raw.decode("latin-1") if raw else x.value
+        self.headers = out
+        self.header_count = len(entries)
+        if len(out) == len(entries):  # no name repeated: the dict holds every byte, summed natively
+            self.header_bytes = sum(map(len, out)) + sum(map(len, out.values()))
+        else:
+            self.header_bytes = sum(len(x.key) + (len(x.raw_value) or len(x.value)) for x in entries)
+        return out
+
     def meta(self) -> Decision:
         """What every answer on this stream publishes besides the decision."""
         return Decision.of(self.fields())
@@ -107,21 +123,6 @@ class RequestState:
 # A route's header mutation: (set on every request of the route, removed, this request's own).
 _Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, str]]]
 
-def _read_headers(st: RequestState, msg: pb.HttpHeaders) -> dict[str, str]:
-    """The request headers as a dict (as ``header_map`` reads them), counting
-    them and their bytes for the header limits."""
-    out: dict[str, str] = {}
-    entries = msg.headers.headers
-    for x in entries:
-        raw = x.raw_value
-        out[x.key] = raw.decode("latin-1") if raw else x.value
-    st.header_count = len(entries)
-    if len(out) == len(entries):  # no name repeated: the dict holds every byte, summed natively
-        st.header_bytes = sum(map(len, out)) + sum(map(len, out.values()))
-    else:
-        st.header_bytes = sum(len(x.key) + (len(x.raw_value) or len(x.value)) for x in entries)
-    return out
-
 
 class RequestHandler:
     """Answers a client's request stream: the decision at its headers or its
@@ -139,7 +140,8 @@ class RequestHandler:
         self.parts = AnswerParts()
 
     async def headers(self, st: RequestState, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """The answer to the request headers: a decision, or a request for the body."""
+        """The answer to the request headers (already read into ``st`` by
+        :meth:`RequestState.read`): a decision, or a request for the body."""
         return self._sent_on(st, await self._shared_budgets(st, self._request_headers(st, msg)))
 
     async def body(self, st: RequestState, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
@@ -187,7 +189,7 @@ class RequestHandler:
     def _request_headers(self, st: RequestState, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         # One config decides the whole request, even if a reload lands mid-upload.
         st.snap = snap = self.runtime.snapshot
-        st.headers = h = _read_headers(st, msg)
+        h = st.headers
         st.raw_path = h.get(":path", "/")
         if EXPLAIN_HEADER in h and explain.wanted(h, snap.config.server.admin_token):
             st.trace = Trace()
@@ -397,7 +399,7 @@ class RequestHandler:
                 st.family,
             )
         remove = route.remove_headers
-        if any(name in st.headers for name in CLIENT_ROUTER_HEADERS):
+        if not st.headers.keys().isdisjoint(CLIENT_ROUTER_HEADERS):
             remove += tuple(name for name in CLIENT_ROUTER_HEADERS if name in st.headers)  # never upstream
         return shared, remove, own
 

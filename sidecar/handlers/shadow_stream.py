@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -47,10 +47,11 @@ _NOTHING_MORE = _P(
 )
 
 
-def is_shadow(msg: pb.ProcessingRequest) -> bool:
-    """Whether a stream's first message is a shadow copy's request headers:
-    only copies reach the sidecar with the shadow header still on."""
-    return any(h.key == SHADOW_HEADER for h in msg.request_headers.headers.headers)
+def is_shadow(headers: Mapping[str, str]) -> bool:
+    """Whether a stream's request headers (read as ``header_map`` reads them)
+    are a shadow copy's: only copies reach the sidecar with the shadow header
+    still on (Envoy strips it from clients)."""
+    return SHADOW_HEADER in headers
 
 
 def status_class(status: int | None) -> str:

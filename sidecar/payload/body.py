@@ -98,7 +98,7 @@ _KEY_ESCAPE = re.compile(rb"\\u00(?:3[0-9]|[4-7][0-9a-fA-F])")
 _BIG_INTEGER = re.compile(rb"[0-9]{19}")
 
 
-def _literal_spans(body: bytes, values: dict[str, object], parsed: dict[str, Any]) -> dict[str, list[tuple[int, int]]] | None:
+def _literal_spans(body: bytes, values: dict[str, object], parsed: dict[str, Any]) -> dict[str, tuple[int, int]] | None:
     """Where the present keys' values are, found with native searches only: a
     lone literal ``"key"`` in a body where no escape spells a key's characters
     can only be the top-level key, and a short value ends within a few
@@ -106,26 +106,44 @@ def _literal_spans(body: bytes, values: dict[str, object], parsed: dict[str, Any
     escapes, a long value)."""
     if _KEY_ESCAPE.search(body):
         return None
-    spans: dict[str, list[tuple[int, int]]] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    n = len(body)
     for key in values:
         if key not in parsed:
             continue  # inserted first
         old = parsed[key]
-        if not isinstance(old, (bool, int, float)) and old is not None and len(orjson.dumps(old)) > _SHORT_VALUE:
+        if isinstance(old, str):
+            # At most 6 bytes per character encoded (a \\u escape): no need to encode a short one.
+            if len(old) > _SHORT_STRING and len(orjson.dumps(old)) > _SHORT_VALUE:
+                return None
+        elif not isinstance(old, (bool, int, float)) and old is not None and len(orjson.dumps(old)) > _SHORT_VALUE:
             return None
-        needle = orjson.dumps(key)
+        needle = _needle(key)
         if body.count(needle) != 1:
             return None
         pos = body.index(needle) + len(needle)
-        while pos < len(body) and body[pos] in WS:
+        while pos < n and body[pos] in WS:
             pos += 1
-        if pos >= len(body) or body[pos] != 0x3A:  # not followed by ':' -> not a key
+        if pos >= n or body[pos] != 0x3A:  # not followed by ':' -> not a key
             return None
         pos += 1
         while body[pos] in WS:
             pos += 1
-        spans[key] = [(pos, value_end(body, pos))]
+        spans[key] = (pos, value_end(body, pos))
     return spans
+
+
+_SHORT_STRING = (_SHORT_VALUE - 2) // 6  # characters of a string value that surely encodes within _SHORT_VALUE
+_NEEDLES: dict[str, bytes] = {}  # a key as JSON, by key (the router's own few keys)
+
+
+def _needle(key: str) -> bytes:
+    found = _NEEDLES.get(key)
+    if found is None:
+        found = orjson.dumps(key)
+        if len(_NEEDLES) < 64:
+            _NEEDLES[key] = found
+    return found
 
 
 def set_top_level(body: bytes, values: dict[str, object], parsed: dict[str, Any] | None = None) -> bytes:
@@ -141,10 +159,17 @@ def set_top_level(body: bytes, values: dict[str, object], parsed: dict[str, Any]
     that also carries an integer past 64 bits, which encoding would round).
     """
     data = parsed if parsed is not None else parse_json(body)
-    spans = _literal_spans(body, values, data)
-    if spans is None and not _BIG_INTEGER.search(body):
+    found = _literal_spans(body, values, data)
+    if found is not None and len(found) == len(values):
+        if len(found) == 1:  # the usual edit: one present key, its value replaced in place
+            ((key, (start, end)),) = found.items()
+            return body[:start] + orjson.dumps(values[key]) + body[end:]
+        spans = {k: [span] for k, span in found.items()}
+    elif found is not None:
+        spans = {k: [span] for k, span in found.items()}
+    elif not _BIG_INTEGER.search(body):
         return orjson.dumps({**data, **values})
-    if spans is None:
+    else:
         # Encoding again would round an integer past 64 bits: scan for the key
         # instead (bounded: the body passed sidecar.payload.json_budget).
         spans = top_level_spans(body, set(values))

@@ -2,8 +2,9 @@
 and arm, which backend, and what the answer must carry."""
 
 from .affinity import follow_up
+from .choose import fallback_hops
 from .context import Caller, Request, authenticate, presented_key
-from .decide import decide, fallback_hops
+from .decide import decide
 from .passthrough import passthrough
 from .reservation import reserved_by
 from .route import Fallback, ResponsePlan, Route, upstream_auth

@@ -1,14 +1,15 @@
 """The routing decision: request + config snapshot -> route or refusal.
 
-Pure: no I/O, no clocks, no global state. The request path is a sequence of
-named stages: parse -> aliases and suffix -> key gate -> reservation ->
-experiment -> selection (over the fallback chain) -> plan -> cache.
+Pure: no I/O, no clocks; the only state kept is tables of what one config
+snapshot determines (:mod:`.memo`). The request path is a sequence of named
+stages: parse -> aliases and suffix -> key gate -> reservation (:mod:`.front`)
+-> experiment -> selection over the fallback chain (:mod:`.choose`) -> plan ->
+cache -> shadow.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from .. import errors
 from ..decision import KIND
@@ -16,28 +17,16 @@ from ..errors import Reply
 from ..payload.body import BodyError, replace_query_model, set_top_level
 from ..payload.formdata import replace_field
 from ..payload.response_ids import Owner
-from . import affinity, attempts, limits, selection, shadow
+from . import affinity, limits, shadow
 from .assignment import is_blank
-from .attempts import Hop
 from .cache_key import plan_cache
+from .choose import Edits, Target, limits_of, select
 from .context import Parsed, Request, parse, sticky_value
-from .reservation import reserved_by
-from .route import Fallback, ResponsePlan, Route, upstream_auth
+from .front import Front, front
+from .memo import PerSnapshot
+from .route import ResponsePlan, Route, upstream_auth
 from .snapshot import BackendInfo, ExperimentInfo, Snapshot
-from .suffixes import SUFFIXES, Suffix, split, supported
-from .trace import AttemptTrace, Trace
-
-Edits = dict[str, Any]  # top-level body fields to set
-
-
-@dataclass(slots=True)
-class _Target:
-    """What the experiment stage leaves for selection."""
-
-    model: str  # the model to dispatch first
-    allowed: set[str] | None  # backends the request may use (key allow-list, arm pin)
-    may_fall_back: bool  # walk the model's fallback chain when it has no admissible backend
-    continues: tuple[str, str] | None = None  # (owner backend, engine's id) of previous_response_id
+from .trace import Trace
 
 
 def decide(snap: Snapshot, req: Request) -> Route | Reply:
@@ -53,33 +42,33 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if trace is not None:
         trace.stage("parse", f"the request names model '{parsed.model}'", model=parsed.model,
                     ingress=req.ingress.path, family=family)
-    requested, client_model, word = _names(snap, req, parsed.model)
-    refusal = _key_gate(req, client_model, parsed.model) or _reservation(snap, req, client_model, parsed.model)
-    if refusal is not None:
-        return refusal
+    first = front(snap, req, parsed.model)
+    if first.refusal is not None:
+        return first.refusal
+    requested, client_model, word = first.requested, first.client_model, first.word
     continues = _continues(snap, req, parsed)
     if isinstance(continues, Reply):
         return continues
     cost = limits.estimate(req.body, parsed.json)
-    limited = _limits(snap, req, client_model, sum(cost))
+    limited = limits_of(snap, req, client_model, sum(cost))
     if isinstance(limited, Reply):
         return limited
     plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens", estimate=cost,
                         background=req.ingress.response_ids and (parsed.json or {}).get("background") is True)
-    target = _experiment(snap, req, parsed, client_model, plan)
+    target = _experiment(snap, req, parsed, first, plan)
     if isinstance(target, Reply):
         return _attributed(target, plan)
     if continues is not None:
         owner = continues[0]
-        target.allowed = {owner} if target.allowed is None else target.allowed & {owner}
+        target.allowed = frozenset((owner,)) if target.allowed is None else target.allowed & {owner}
         target.continues = continues
-    chosen = _select(snap, req, parsed, target, requested, word, plan)
+    chosen = select(snap, req, parsed, target, requested, word, plan)
     if isinstance(chosen, Reply):
         return _attributed(chosen, plan)
     upstream, backend, edits, hops = chosen
     if plan.fallback is not None:
         # A hop serves the request: its model's limits apply, not the origin's.
-        limited = _limits(snap, req, plan.fallback.served, sum(cost))
+        limited = limits_of(snap, req, plan.fallback.served, sum(cost))
         if isinstance(limited, Reply):
             return _attributed(limited, plan)
     if continues is not None:
@@ -134,7 +123,7 @@ def _own_name(route: Route) -> None:
         plan.rewrite_model = route.upstream_model
 
 
-def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Edits, target: _Target) -> None:
+def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Edits, target: Target) -> None:
     """The response cache's stage: the key of a cacheable request (the body
     as the backend gets it: ``edits`` holds every field the route changed)."""
     cfg = snap.config.cache
@@ -158,30 +147,6 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
         req.trace.stage("cache", verdict, cached=plan.cache is not None)
 
 
-def _limits(snap: Snapshot, req: Request, client_model: str, cost: int) -> limits.LimitPlan | Reply | None:
-    """The limits on the client-facing model's canonical id (a metadata alias
-    counts as its model; for an experiment, every arm's): the descriptor for
-    Envoy's request rates, and the token budgets' verdict."""
-    if not snap.limits and req.trace is None:
-        return None  # no limits configured: one check
-    key_id = req.caller.key.id if req.caller.key is not None else None
-    model = snap.resolve(client_model)[0]
-    rules = limits.applicable(snap, model, key_id)
-    if not rules:
-        if req.trace is not None and snap.limits:
-            req.trace.stage("limits", f"none: no limit names '{model}'")
-        return None
-    verdict = limits.plan(rules, model, key_id, req.spent, req.now, cost)
-    if req.trace is not None:
-        req.trace.stage(
-            "limits", f"refused: the token budget {verdict.rule.id} is spent" if isinstance(verdict, limits.BudgetState)
-            else f"under {', '.join(r.id for r in rules)}", rules=[r.id for r in rules],
-        )
-    if isinstance(verdict, limits.BudgetState):
-        return limits.refusal(verdict, client_model, req.ingress.family, req.now)
-    return verdict
-
-
 def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] | Reply | None:
     """A create that continues a stored response goes where that response is."""
     if not req.ingress.continues or parsed.json is None:
@@ -199,59 +164,15 @@ def _attributed(reply: Reply, plan: ResponsePlan) -> Reply:
     return replace(reply, meta=reply.meta | plan.decision().without(KIND))
 
 
-def _names(snap: Snapshot, req: Request, sent: str) -> tuple[str, str, str | None]:
-    """model_aliases (on the ingresses that honour them), then a variant suffix
-    (on those that read them; the exact name wins): (requested, base, suffix)."""
-    requested = snap.aliases.get(sent, sent) if req.ingress.aliases else sent
-    suffixes = req.ingress.suffixes and snap.config.proxy.variant_suffixes.enabled
-    base, word = split(snap, requested) if suffixes else (requested, None)
-    if req.trace is not None:
-        verdict = f"'{sent}'" + (f" -> '{requested}' by model_aliases" if requested != sent else "")
-        if word is not None:
-            verdict += f"; variant suffix ':{word}' on base '{base}'"
-        req.trace.stage("names", verdict, sent=sent, after_aliases=requested, base=base, suffix=word,
-                        aliases_read=req.ingress.aliases, suffixes_read=suffixes)
-    return requested, base, word
-
-
-def _key_gate(req: Request, client_model: str, sent: str) -> Reply | None:
-    """The per-key model gate judges the client-facing (base) name; its
-    refusal names the model as sent (never what an alias stands for)."""
-    key = req.caller.key
-    allowed = key.allowed_models if key is not None else None
-    refused = allowed is not None and client_model not in allowed
-    if req.trace is not None:
-        verdict = "pass: the key has no allowed_models" if allowed is None else (
-            f"refused: '{client_model}' is not in the key's allowed_models" if refused
-            else f"pass: '{client_model}' is in the key's allowed_models")
-        req.trace.stage("key_gate", verdict, allowed_models=allowed)
-    return errors.model_not_permitted(sent, req.ingress.family) if refused else None
-
-
-def _reservation(snap: Snapshot, req: Request, client_model: str, sent: str) -> Reply | None:
-    """A reserved variant model named outside its experiment is answered
-    exactly like a model the router does not have."""
-    reserving = reserved_by(snap, client_model, aliases=req.ingress.aliases)
-    if req.trace is not None:
-        req.trace.stage("reservation", "not reserved" if reserving is None else (
-            f"refused: reserved by the hidden experiment '{reserving}', answered as an unknown model"),
-            reserved_by=reserving)
-    return errors.model_not_found(sent, req.ingress.family, reserved_by=reserving) if reserving is not None else None
-
-
-def _experiment(
-    snap: Snapshot, req: Request, parsed: Parsed, client_model: str, plan: ResponsePlan,
-) -> _Target | Reply:
+def _experiment(snap: Snapshot, req: Request, parsed: Parsed, first: Front, plan: ResponsePlan) -> Target | Reply:
     """The experiment picks an arm; its pin narrows the key's backend allow-list."""
-    key = req.caller.key
-    allowed = set(key.allowed_backends) if key is not None and key.allowed_backends is not None else None
-    info = snap.experiments.get(client_model) if req.ingress.experiments else None
+    client_model, allowed, info = first.client_model, first.allowed, first.info
     if info is None:
         if req.trace is not None:
             req.trace.stage("experiment", f"none: '{client_model}' is not an experiment's client model"
                             if req.ingress.experiments else "none: this endpoint dispatches the name literally",
                             experiment=None, backends=_sorted(allowed))
-        return _Target(client_model, allowed, may_fall_back=True)
+        return Target(client_model, allowed, may_fall_back=True)
     exp = info.config
     sticky = sticky_value(exp, req, parsed)
     caller = None
@@ -271,12 +192,25 @@ def _experiment(
     plan.rewrite_model = client_model if exp.response_model == "client" else None
     plan.read_usage = req.ingress.usage
     if variant.backends is not None:
-        allowed = set(variant.backends) if allowed is None else allowed & set(variant.backends)
+        allowed = _pinned(snap, info, index, allowed)
     if req.trace is not None:  # the experiment stage _traced_arm recorded
         req.trace.stages[-1].update(pin=variant.backends, backends=_sorted(allowed), fallback=exp.fallback)
     if variant.backends is not None and not allowed:
         return errors.model_not_permitted(parsed.model, req.ingress.family)
-    return _Target(variant.model, allowed, may_fall_back=exp.fallback == "cross_variant")
+    return Target(variant.model, allowed, may_fall_back=exp.fallback == "cross_variant")
+
+
+_pins: PerSnapshot[frozenset[str]] = PerSnapshot()
+
+
+def _pinned(snap: Snapshot, info: ExperimentInfo, index: int, allowed: frozenset[str] | None) -> frozenset[str]:
+    """The backends an arm with a pin may use: its pin, inside the key's allow-list."""
+
+    def compute() -> frozenset[str]:
+        pin = frozenset(info.config.variants[index].backends or ())
+        return pin if allowed is None else allowed & pin
+
+    return _pins.get(snap, (info.index, index, allowed), compute)
 
 
 def _traced_arm(trace: Trace, info: ExperimentInfo, sticky: str | None, req: Request) -> int:
@@ -299,197 +233,8 @@ def _traced_arm(trace: Trace, info: ExperimentInfo, sticky: str | None, req: Req
     return a.variant_index
 
 
-def _sorted(backends: set[str] | None) -> list[str] | None:
+def _sorted(backends: frozenset[str] | None) -> list[str] | None:
     return None if backends is None else sorted(backends)
-
-
-def _candidates(
-    snap: Snapshot, name: str, allowed: set[str] | None, rec: AttemptTrace | None,
-) -> tuple[str, list[BackendInfo]]:
-    """Metadata alias dispatch, then the backends that serve the model and that
-    the request may use: (the id to dispatch, those backends)."""
-    model, serving = snap.resolve(name)
-    out = []
-    for n in serving:
-        b = snap.backends[n]
-        if not b.internal and (allowed is None or n in allowed):
-            out.append(b)
-        elif rec is not None:
-            rec.candidate(n)["reason"] = "internal" if b.internal else "not allowed"
-            rec.verdict(n, "not a candidate: " + ("internal" if b.internal else "outside the allowed backends"))
-    if rec is not None:
-        rec.model = model
-    return model, out
-
-
-def _select(
-    snap: Snapshot, req: Request, parsed: Parsed, target: _Target, requested: str, word: str | None,
-    plan: ResponsePlan,
-) -> tuple[str, BackendInfo, Edits, tuple[Hop, ...]] | Reply:
-    """The first attempt, then the hops of the fallback chain: (model, backend,
-    body edits, the hops to move to if that attempt fails upstream)."""
-    family = req.ingress.family
-    trace = req.trace
-    rec = trace.attempt(target.model, "first") if trace is not None else None
-    model, candidates = _candidates(snap, target.model, target.allowed, rec)
-    if not candidates and target.continues is not None:
-        # The response it continues is held where this model (or this caller) cannot go.
-        return errors.previous_response_not_found(_previous_id(parsed))
-    sent = parsed.model  # what refusals name: never what an alias stands for
-    if not candidates:
-        if any(not snap.backends[n].internal for n in snap.resolve(target.model)[1]):
-            return errors.model_not_permitted(sent, family)
-        return errors.model_not_found(sent, family)
-    suffix = SUFFIXES[word] if word is not None else None
-    data = parsed.json or {}
-    edits: Edits = {}
-    if suffix is not None:
-        checked = _suffix_checks(snap, model, candidates, suffix, data, sent, word or "", family, rec)
-        if isinstance(checked, Reply):
-            return checked
-        candidates, edits = checked
-        plan.suffix, plan.rewrite_model = word, requested
-    ctx = selection.Context(snap, req.states, req.mono, req.pick, req.rand)
-    ranker = suffix.ranker if suffix is not None else None
-    first = selection.select(
-        ctx, selection.Attempt(model, candidates, ranker, req.headers.get("x-backend"), data), rec,
-    )
-    online = suffix is not None and suffix.online
-    may_fall_back = target.may_fall_back and not online
-    chain = [h for h in fallback_hops(snap, target.model, model) if _permitted(req, h)] if may_fall_back else []
-    if first is not None:
-        plan.suffix_applied = first.ranked or ranker is None
-        plan.drop_effort = "reasoning_effort" in edits
-        return model, first.backend, edits, _retry_hops(snap, req, ctx, target, (target.model, first.backend), chain, parsed)
-    if may_fall_back:
-        hop = _fall_back(snap, req, ctx, target, chain, data)
-        if hop is not None:
-            at, hop_model, backend = hop
-            # A hop dispatches another model: it inherits no suffix.
-            plan.suffix_applied = suffix is None
-            plan.fallback = Fallback(target.model, hop_model, "no_admissible_backend", hop_model not in snap.reserved)
-            return hop_model, backend, {}, _retry_hops(snap, req, ctx, target, (chain[at], backend), chain[at + 1:], parsed)
-    elif trace is not None:
-        trace.stage("fallback", "not tried: :online requests do not fall back" if online
-                    else "not tried: the experiment's fallback is within_variant")
-    return errors.error("no_backend", f"No healthy backend can serve the model '{sent}' right now.", family)
-
-
-def _fall_back(
-    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, hops: list[str], data: Edits,
-) -> tuple[int, str, BackendInfo] | None:
-    """The first hop of the chain with an admissible backend: (its place in
-    the chain, its model, the backend)."""
-    trace = req.trace
-    served = None
-    for n, hop in enumerate(hops):
-        rec = trace.attempt(hop, f"fallback hop {n + 1}") if trace is not None else None
-        chosen = _hop_selection(snap, ctx, target, hop, data, rec)
-        if chosen is not None:
-            served = n, chosen[0], chosen[1]
-            break
-    if trace is not None:
-        trace.stage("fallback", f"hop '{served[1]}' served" if served else (
-            "every hop failed" if hops else "no fallback chain"), chain=hops)
-    return served
-
-
-def _hop_selection(
-    snap: Snapshot, ctx: selection.Context, target: _Target, hop: str, data: Edits, rec: AttemptTrace | None,
-    among: frozenset[str] | None = None,
-) -> tuple[str, BackendInfo] | None:
-    """One hop's selection: inside the request's allow-list (and ``among``),
-    no ranker, no preference: (the id it dispatches as, the backend) or None."""
-    hop_model, candidates = _candidates(snap, hop, target.allowed, rec)
-    if among is not None:
-        candidates = [b for b in candidates if b.name in among]
-    chosen = selection.select(ctx, selection.Attempt(hop_model, candidates, body=data), rec) if candidates else None
-    return None if chosen is None else (hop_model, chosen.backend)
-
-
-def _retry_hops(
-    snap: Snapshot, req: Request, ctx: selection.Context, target: _Target, dispatched: tuple[str, BackendInfo],
-    chain: list[str], parsed: Parsed,
-) -> tuple[Hop, ...]:
-    """Where the request moves if the attempt ``dispatched`` (model, backend)
-    fails upstream: up to ``fallback_attempts`` of the following hops, each on
-    the backend its own selection picks now (hops with none admissible are
-    skipped), among the backends the bootstrap has clusters for. JSON bodies
-    only: the hop's filter rewrites ``model`` there."""
-    if parsed.json is None or not chain or dispatched[1].name not in attempts.hop_backends(snap, dispatched[0]):
-        return ()
-    out: list[Hop] = []
-    for hop in chain:
-        if len(out) == snap.config.fallback_attempts:
-            break
-        chosen = _hop_selection(snap, ctx, target, hop, parsed.json, None, attempts.hop_backends(snap, hop))
-        charged = _hop_limits(snap, req, chosen[0]) if chosen is not None else None
-        if chosen is not None and charged is not None:
-            out.append(Hop(hop, chosen[0], chosen[1].name, *charged))
-    if req.trace is not None and out:
-        req.trace.stage("retry_hops", "on an upstream failure: " + ", ".join(
-            f"'{h.upstream_model}' on {h.backend}" for h in out),
-            hops=[{"model": h.upstream_model, "backend": h.backend} for h in out])
-    return tuple(out)
-
-
-def _permitted(req: Request, model: str) -> bool:
-    """A hop the key may use: one its allowed_models names (the key gate's rule)."""
-    key = req.caller.key
-    return key is None or key.allowed_models is None or model in key.allowed_models
-
-
-def _hop_limits(snap: Snapshot, req: Request, model: str) -> tuple[str, tuple[str, ...]] | None:
-    """What a hop after a failed attempt is charged to: (its limited model or
-    "", its token budgets), or None when one of them is spent (the hop is skipped)."""
-    # A retry is settled from its own entry; it reserves nothing up front.
-    limited = _limits(snap, req, model, 0)
-    if isinstance(limited, Reply):
-        return None
-    return ("", ()) if limited is None else (limited.model, limited.budgets)
-
-
-def fallback_hops(snap: Snapshot, origin: str, dispatched: str) -> list[str]:
-    """The chain of ``origin`` (or of the id it dispatches as). A chain whose
-    origin is not reserved skips reserved hops, so ordinary routing never
-    reaches a hidden arm's model."""
-    chains = snap.config.fallback_chains
-    if not chains:
-        return []
-
-    def compute() -> list[str]:
-        chain = chains.get(origin) or chains.get(dispatched) or []
-        if origin in snap.reserved or dispatched in snap.reserved:
-            return list(chain)
-        return [hop for hop in chain if reserved_by(snap, hop) is None]
-
-    return list(attempts.memo(snap, ("chain", origin, dispatched), compute))
-
-
-def _suffix_checks(
-    snap: Snapshot, model: str, candidates: list[BackendInfo], suffix: Suffix, data: Edits, requested: str,
-    word: str, family: str, rec: AttemptTrace | None,
-) -> tuple[list[BackendInfo], Edits] | Reply:
-    """Refusals a suffix can cause before anything is chosen, and its edits."""
-    if not supported(snap, model, suffix):
-        return _unsupported(requested, word, family)
-    if suffix.thinking:
-        return candidates, ({} if "reasoning_effort" in data else {"reasoning_effort": "high"})
-    if suffix.online:
-        # The router runs the search loop itself: buffered only, and only on
-        # backends it may add a tool to.
-        if data.get("stream") is True:
-            return _unsupported(requested, word, family)
-        usable = [b for b in candidates if not b.config.commercial and b.family == "openai"]
-        if rec is not None:
-            for b in candidates:
-                if b not in usable:
-                    rec.candidate(b.name)["reason"] = "online"
-                    rec.verdict(b.name, "not a candidate: :online needs a non-commercial OpenAI-family backend")
-        candidates = usable
-        if not candidates:
-            return _unsupported(requested, word, family)
-    return candidates, {}
 
 
 def _build(
@@ -537,20 +282,8 @@ def _build(
     )
 
 
-def _previous_id(parsed: Parsed) -> str:
-    return str((parsed.json or {}).get("previous_response_id"))
-
-
 def _hop_path(route: Route, req: Request) -> str:
     """The request's path without its backend's base path: a hop puts its own in front."""
     path = route.path if route.path is not None else req.path
     base = route.backend.base_path
     return path[len(base):] if base and path.startswith(base) else path
-
-
-def _unsupported(requested: str, word: str, family: str) -> Reply:
-    return errors.error(
-        "unsupported_model_variant",
-        f"The model '{requested}' is not available: the ':{word}' variant is not supported for this model.",
-        family, param="model",
-    )

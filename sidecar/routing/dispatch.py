@@ -36,9 +36,10 @@ from .trace import Trace
 Kind = Literal["refused", "listing", "follow_up", "passthrough", "ingress"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request, and a frozen __init__ sets each field through object.__setattr__
 class Head:
-    """What a request's headers decide. ``outcome`` is None when the body decides."""
+    """What a request's headers decide. ``outcome`` is None when the body decides.
+    Nothing changes one after it is made."""
 
     path: str  # canonical
     family: Family
@@ -48,10 +49,11 @@ class Head:
     outcome: Route | Reply | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as Head
 class Live:
     """What the serving process supplies to a decision: clocks, the round-robin
-    counter, randomness, the monitor's states and the token budgets spent."""
+    counter, randomness, the monitor's states and the token budgets spent.
+    Nothing changes one after it is made."""
 
     now: float = 0.0
     mono: float = 0.0

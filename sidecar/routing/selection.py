@@ -137,6 +137,14 @@ def select(ctx: Context, attempt: Attempt, rec: AttemptTrace | None = None) -> S
     return _chosen(rec, picked, Selection(picked, ranked))
 
 
+def lone_admitted(snap: Snapshot, states: Mapping[str, BackendView], now: float, backend: BackendInfo) -> bool:
+    """:func:`select` over one candidate with no ranker: it is picked when
+    admitted, the hold-out aside (``_admitted`` sets the hold-out aside when
+    it would exclude every candidate, and the lone one is every candidate)."""
+    mon = snap.config.monitor
+    return admissible(states.get(backend.name), now, mon.max_waiting, mon.freshness_s, holdout=False)
+
+
 def _chosen(rec: AttemptTrace | None, backend: BackendInfo, selection: Selection) -> Selection:
     if rec is not None:
         rec.chosen = backend.name

@@ -65,3 +65,22 @@ def test_the_table_stays_bounded(monkeypatch) -> None:
         got = parts.routed("body", MODE, "model_router", md, SHARED, REMOVE, [], None)
         assert got.dynamic_metadata.fields["model_router"].struct_value.fields["client_model"].string_value == f"m-{i}"
     assert len(parts._known) <= 8
+
+
+def test_every_kind_of_value_and_length_is_encoded_as_protobuf_would() -> None:
+    parts = AnswerParts()
+    long = "é" * 200  # lengths past one varint byte, in UTF-8
+    shapes = [
+        {"kind": "routed", "backend": "pool-a", "request_id": long, "key_id": "", "caller": "ünï"},
+        {"kind": "routed", "estimate": 1234, "reserved": 0.5, "x_explain": True, "cache_key": False,
+         "not_found": None, "response_id": {"a": [1, "b", None]}, "span_id": 2**40, "x_request_id": -3},
+        {"kind": "passthrough", "client_model": long},
+    ]
+    for phase in ("body", "headers"):
+        for md in shapes:
+            for own, body in (([], None), ([("content-length", "0")], b""), ([(":path", "/" + long)], b"x" * 70000),
+                              ([("traceparent", "00-ab-cd-01"), ("content-length", "5")], b"hello")):
+                got = parts.routed(phase, MODE, "model_router", dict(md), SHARED, REMOVE, own, body)
+                want = by_hand(phase, dict(md), own, body)
+                assert got == want
+                assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)

@@ -98,3 +98,17 @@ def test_escaped_top_level_key_is_found_not_a_nested_lookalike():
     assert json.loads(out) == {"model": "m", "x": {"model": "chat"}}
     raw = b'{"x": "model", "model": "chat"}'
     assert json.loads(set_top_level(raw, {"model": "m"})) == {"x": "model", "model": "m"}
+
+
+def test_a_short_old_value_is_replaced_in_place_and_a_long_one_by_encoding_again():
+    for n, in_place in ((682, True), (683, False)):  # each \x01 encodes as \u0001: 6 bytes, 2 more for the quotes
+        old = "\x01" * n
+        raw = b'{ "model" : ' + orjson.dumps(old) + b', "x": [1,  2]}'
+        got = set_top_level(raw, {"model": "m"}, orjson.loads(raw))
+        if in_place:
+            assert got == b'{ "model" : "m", "x": [1,  2]}'
+        else:
+            assert got == orjson.dumps({"model": "m", "x": [1, 2]})
+    raw = b'{"x": 1,  "model": "a", "stream_options": null}'
+    got = set_top_level(raw, {"model": "b", "stream_options": {"include_usage": True}}, orjson.loads(raw))
+    assert got == b'{"x": 1,  "model": "b", "stream_options": {"include_usage":true}}'

@@ -9,6 +9,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from sidecar.config.schema import parse
 from sidecar.contract import SHADOW_HEADER
+from sidecar.handlers.request_stream import RequestState
+from sidecar.handlers.response_stream import header_map
 from sidecar.handlers.shadow_stream import ShadowStream, is_shadow
 from sidecar.routing import snapshot
 
@@ -37,8 +39,12 @@ def stream(written: list) -> ShadowStream:
 
 
 def test_only_a_copy_carries_the_shadow_header():
-    assert is_shadow(headers(**{SHADOW_HEADER: "shadow~e"}))
-    assert not is_shadow(headers())
+    assert is_shadow(header_map(headers(**{SHADOW_HEADER: "shadow~e"}).request_headers))
+    assert not is_shadow(header_map(headers().request_headers))
+    copy = headers(**{SHADOW_HEADER: "shadow~e"}).request_headers
+    st = RequestState()
+    assert is_shadow(st.read(copy)) and st.headers[SHADOW_HEADER] == "shadow~e"  # the one read the stream makes
+    assert not is_shadow(RequestState().read(headers().request_headers))
 
 
 def test_the_copy_gets_the_arms_model_and_backend_credentials_and_loses_the_router_headers():
