@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import _http  # noqa: E402
 
 CONFIG = """
-server: {message_timeout_ms: 30000}
 backends:
   - {name: engine, url: "demo://", models: [m]}
 """

@@ -25,7 +25,7 @@ from ..contract import SHADOW_HEADER
 from ..decision import Decision, Fields, encode
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
-from ..payload.json_budget import Budget
+from ..payload.json_budget import HOLD_PATIENCE_S, Budget
 from ..payload.rewrite import rewrite_json_body
 from ..routing import dispatch, explain
 from ..routing.context import Caller
@@ -147,8 +147,11 @@ class RequestHandler:
     async def body(self, st: RequestState, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
         """The answers to the body: the decision (an ``:online`` request first
         gets a longer message timeout)."""
-        excess = await self.json_budget.excess(body, st.snap.config.server.message_timeout_ms / 2000)
+        excess = await self.json_budget.excess(body)
         if excess is not None:
+            # Held before it is answered (payload/json_budget.py): Envoy is asked to wait.
+            yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(HOLD_PATIENCE_S) + 5))
+            await self.json_budget.hold(len(body))
             yield self._refuse(self._too_complex(st, excess), st)
             return
         if st.ingress is None and not st.passthrough and is_feedback(st.path):

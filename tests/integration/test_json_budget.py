@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from sidecar.payload.json_budget import INLINE_BYTES, MAX_MEMBERS, MAX_VALUES, REFUSED_BYTES_PER_SECOND, Budget
+from sidecar.payload.json_budget import MAX_MEMBERS, MAX_VALUES, REFUSED_BYTES_PER_SECOND, Budget
 
 from .test_bad_input import check_error
 
@@ -20,7 +20,7 @@ def members(n: int, spaced: bool = False) -> bytes:
 
 
 def judge(*bodies: bytes) -> list[str | None]:
-    budget = Budget(hold=no_hold)
+    budget = Budget()
 
     async def run() -> list[str | None]:
         return [await budget.excess(b) for b in bodies]
@@ -29,10 +29,6 @@ def judge(*bodies: bytes) -> list[str | None]:
         return asyncio.run(run())
     finally:
         budget.close()
-
-
-async def no_hold(seconds: float) -> None:
-    pass
 
 
 def test_bodies_are_judged_by_what_their_parse_would_build():
@@ -61,43 +57,34 @@ def test_refusals_are_held_one_at_a_time_for_their_size():
         await release.wait()
         holds.append(("end", seconds))
 
-    big, bigger = members(MAX_MEMBERS + 1), members(MAX_MEMBERS + 2) + b" " * 1000
-    within = members(100) + b" " * INLINE_BYTES  # past the inline bound, so counted in the helper too
     budget = Budget(hold=hold)
 
-    async def run() -> list[str | None]:
-        tasks = [asyncio.create_task(budget.excess(b)) for b in (big, bigger, within)]
-        deadline = time.monotonic() + 120
-        # Until the second refusal waits for the first's hold to end (or starts its own hold),
-        # and the body within its budget is judged.
-        while (len(holds) < 2 and not budget._refusals._waiters) or not tasks[2].done():  # type: ignore[attr-defined]
+    async def run() -> None:
+        tasks = [asyncio.create_task(budget.hold(size)) for size in (1000, 3000)]
+        deadline = time.monotonic() + 60
+        # Until the second refusal waits for the first's hold to end (or starts its own).
+        while len(holds) < 2 and not budget._refusals._waiters:  # type: ignore[attr-defined]
             assert time.monotonic() < deadline, holds
             await asyncio.sleep(0.01)
-        assert [kind for kind, _ in holds] == ["start"], holds
-        assert tasks[2].done()  # the body within its budget is never held
+        assert holds == [("start", 1000 / REFUSED_BYTES_PER_SECOND)], holds
         release.set()
-        return list(await asyncio.gather(*tasks))
+        await asyncio.gather(*tasks)
 
-    try:
-        results = asyncio.run(run())
-    finally:
-        budget.close()
-    assert results == [f"more than {MAX_MEMBERS} JSON object members"] * 2 + [None]
-    assert [kind for kind, _ in holds] == ["start", "end", "start", "end"]
-    assert sorted(s for kind, s in holds if kind == "start") == [len(big) / REFUSED_BYTES_PER_SECOND,
-                                                                 len(bigger) / REFUSED_BYTES_PER_SECOND]
+    asyncio.run(run())
+    assert holds == [("start", 1000 / REFUSED_BYTES_PER_SECOND), ("end", 1000 / REFUSED_BYTES_PER_SECOND),
+                     ("start", 3000 / REFUSED_BYTES_PER_SECOND), ("end", 3000 / REFUSED_BYTES_PER_SECOND)]
 
 
-def test_a_refusal_waits_no_longer_than_its_patience():
+def test_a_refusal_is_held_no_longer_than_its_patience():
     async def forever(seconds: float) -> None:
         await asyncio.Event().wait()
 
     budget = Budget(hold=forever)
-    try:
-        assert asyncio.run(budget.excess(members(MAX_MEMBERS + 1), patience=0.1)) == (
-            f"more than {MAX_MEMBERS} JSON object members")
-    finally:
-        budget.close()
+
+    async def run() -> None:
+        await asyncio.wait_for(budget.hold(10**9, patience=0.05), 60)
+
+    asyncio.run(run())  # returns: the hold gave up at its patience
 
 
 @pytest.mark.integration
