@@ -109,6 +109,9 @@ def router_config(nginx_url: str) -> str:
     experiments on the demo engine (``chat-stream`` with ``response_model:
     upstream``, ``chat-stream-client`` with ``client``); and two models
     outside any experiment, ``plain`` (nginx) and ``plain-s`` (demo engine).
+    Workers are not recycled: a full run sends each sidecar process more than
+    the default 50,000 requests, and nothing here starts a recycled one again
+    (``bench/recycle.py`` measures what recycling costs).
     """
     keys = "\n".join(
         f"  - {{key: {_http.key(i)}, id: team-{i:04d}, allowed_models: [chat, plain, chat-stream, chat-stream-client, plain-s]}}"
@@ -118,6 +121,7 @@ def router_config(nginx_url: str) -> str:
         f"""\
         server:
           message_timeout_ms: 2000
+          max_requests_per_worker: 0
         backends:
           - {{name: {NGINX_BACKEND}, url: "{nginx_url}", type: openai, models: [llama-3.1-8b, qwen3-8b, plain]}}
           - {{name: {ENGINE_BACKEND}, url: "demo://", type: vllm, models: [llama-s, qwen-s, llama-c, qwen-c, plain-s]}}
