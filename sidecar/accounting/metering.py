@@ -217,30 +217,18 @@ class Observer(Protocol):
     def observe(self, entry: Entry) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Declared:
-    """An observer with what it reads, declared where it is wired (for an
-    observer that declares nothing itself)."""
-
-    observer: Observer
-    reads: Reads
-
-
 class Meter:
     """Turns entries into metrics, passive health reports and usage records,
     and hands each to the observers."""
 
     def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
-                 observers: Iterable[Observer | Declared] = ()) -> None:
+                 observers: Iterable[Observer] = ()) -> None:
         self.report_failure = report_failure
         self.sink = sink
-        given = tuple(observers)
-        self.observers = tuple(o.observer if isinstance(o, Declared) else o for o in given)
+        self.observers = tuple(observers)
         fixed, dynamic = ACCOUNTING, []
-        for o in given:
-            if isinstance(o, Declared):
-                fixed |= o.reads
-            elif (declared := getattr(o, "reads", None)) is not None:
+        for o in self.observers:
+            if (declared := getattr(o, "reads", None)) is not None:
                 dynamic.append(declared)
             else:
                 fixed |= EVERYTHING

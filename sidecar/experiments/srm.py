@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..accounting.entries import Reads
 from ..accounting.metering import Entry, status_class
 
 if TYPE_CHECKING:
@@ -177,6 +178,9 @@ class CallerSample:
         return out
 
 
+READS = Reads(("kind", "experiment", "variant", "caller"))
+
+
 class Tracker:
     """One :class:`CallerSample` per experiment, kept in step with the current config."""
 
@@ -199,6 +203,10 @@ class Tracker:
         self.samples = {
             name: s for name, s in self.samples.items() if name in self._arms and self._arms[name][1] == s.weights
         }
+
+    def reads(self) -> Reads:
+        """What :meth:`observe` reads of a decision (its status class reads the kind)."""
+        return READS
 
     def observe(self, entry: Entry) -> None:
         """An access-log entry: a 2xx an arm served to a sticky caller adds that caller."""

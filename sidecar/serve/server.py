@@ -17,10 +17,9 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import metrics
-from ..accounting.entries import Reads
 from ..accounting.logs import DecisionLog, announce, fatal
 from ..accounting.logs import setup as setup_logging
-from ..accounting.metering import AccessLogService, Declared, Meter
+from ..accounting.metering import AccessLogService, Meter
 from ..accounting.tracing import Tracer
 from ..backends.monitor import Monitor
 from ..config import address
@@ -34,8 +33,6 @@ from .admin import admin_app
 from .runtime import Runtime
 
 log = logging.getLogger("model_router.server")
-# What the sample-ratio check reads of a decision: an arm's sticky callers (its status class reads the kind).
-SRM_READS = Reads(("kind", "experiment", "variant", "caller"))
 
 # Unready before draining, when a process without a supervisor reaches its bound:
 # as long as the generated pods' preStop sleep.
@@ -112,8 +109,7 @@ async def serve_async(
     tracer = Tracer(lambda: runtime.snapshot.config.tracing, server_of=server_of)
     sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
     metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
-    meter = Meter(runtime.report_response, _SinkOf(runtime),
-                  observers=(tracer, DecisionLog(), runtime.budgets, Declared(sample_ratio, SRM_READS)))
+    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))
     access_log = AccessLogService(meter)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)

@@ -11,9 +11,8 @@ from envoy.service.accesslog.v3 import als_pb2
 
 from sidecar.accounting import budgets, logs, tracing
 from sidecar.accounting.entries import ACCOUNTING, EVERY_KEY, EVERYTHING, NOTHING, Reads, entry_of
-from sidecar.accounting.metering import Declared, Meter
+from sidecar.accounting.metering import Meter
 from sidecar.experiments import srm
-from sidecar.serve.server import SRM_READS
 
 from .test_access_log_golden import batch
 
@@ -30,7 +29,7 @@ def test_the_sample_ratio_check_sees_the_same_callers():
             srm.Tracker.observe(tracker, e)  # type: ignore[arg-type]
         return seen
 
-    assert calls(SRM_READS) == calls(EVERYTHING)
+    assert calls(srm.READS) == calls(EVERYTHING)
     assert calls(EVERYTHING)  # (the batch has some)
 
 
@@ -109,8 +108,15 @@ def test_a_meter_reads_the_union_and_keeps_it_while_the_parts_stand():
         def observe(self, entry: Any) -> None:
             pass
 
+    class Caller:
+        def reads(self) -> Reads:
+            return Reads(("caller",))
+
+        def observe(self, entry: Any) -> None:
+            pass
+
     on = On()
-    meter = Meter(lambda b, s: None, None, observers=(on, Declared(on, Reads(("caller",)))))
+    meter = Meter(lambda b, s: None, None, observers=(on, Caller()))
     first = meter.reads()
     assert first.keys == ACCOUNTING.keys | {"caller"} and not first.trace_headers
     assert meter.reads() is first
