@@ -120,6 +120,12 @@ class RequestState:
         return out
 
 
+def _more_time(seconds: float) -> pb.ProcessingResponse:
+    """Asks Envoy to wait ``seconds`` (and a margin) for the stream's next
+    answer, up to its ``max_message_timeout``."""
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(seconds) + 5))
+
+
 # A route's header mutation: (set on every request of the route, removed, this request's own).
 _Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, str]]]
 
@@ -149,8 +155,7 @@ class RequestHandler:
         gets a longer message timeout)."""
         excess = await self.json_budget.excess(body)
         if excess is not None:
-            # Held before it is answered (payload/json_budget.py): Envoy is asked to wait.
-            yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(HOLD_PATIENCE_S) + 5))
+            yield _more_time(HOLD_PATIENCE_S)  # held before it is answered (payload/json_budget.py)
             await self.json_budget.hold(len(body))
             yield self._refuse(self._too_complex(st, excess), st)
             return
@@ -163,8 +168,7 @@ class RequestHandler:
             # The sidecar answers this one itself; keep Envoy waiting for it.
             search = st.snap.config.web_search
             assert search is not None  # :online is served only with a search provider
-            deadline = search.deadline_s + 5
-            yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(deadline)))
+            yield _more_time(search.deadline_s)
             resp = await self._online(st, body)
         elif plan is not None and plan.cache is not None and plan.cache.read:
             resp = await self._from_cache(st) or resp
