@@ -160,12 +160,10 @@ def set_top_level(body: bytes, values: dict[str, object], parsed: dict[str, Any]
     """
     data = parsed if parsed is not None else parse_json(body)
     found = _literal_spans(body, values, data)
-    if found is not None and len(found) == len(values):
-        if len(found) == 1:  # the usual edit: one present key, its value replaced in place
+    if found is not None:
+        if len(found) == len(values) == 1:  # the usual edit: one present key, its value replaced in place
             ((key, (start, end)),) = found.items()
             return body[:start] + orjson.dumps(values[key]) + body[end:]
-        spans = {k: [span] for k, span in found.items()}
-    elif found is not None:
         spans = {k: [span] for k, span in found.items()}
     elif not _BIG_INTEGER.search(body):
         return orjson.dumps({**data, **values})
