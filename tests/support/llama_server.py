@@ -68,7 +68,7 @@ class LlamaServer:
 
     def raw_metrics(self) -> dict[str, float]:
         """The engine's own ``/metrics`` page, unlabelled samples by name."""
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+        text = httpx.get(self.url + "/metrics", timeout=60).text
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
     def kill(self) -> None:
