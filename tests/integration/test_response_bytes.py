@@ -287,7 +287,7 @@ def test_injected_usage_is_counted_when_the_client_leaves_after_done(stack, http
         for line in r.iter_lines():
             if line == "data: [DONE]":
                 break
-    after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1, timeout=5,
+    after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1,
                             experiment="bytes", kind=k) for k in ("prompt", "completion")}
     assert (after["prompt"] - before["prompt"], after["completion"] - before["completion"]) == (3, 2)
 
@@ -302,7 +302,7 @@ def test_payloads_strict_json_refuses_are_rewritten_and_counted(stack, http):
     r = post(http, "/v1/chat/completions", "lenient-sse", body)
     assert r.content == LENIENT_SSE.replace(UPSTREAM, CLIENT)
     assert UPSTREAM not in r.content
-    assert wait_metric(stack, "model_experiment_tokens_total", before + 6, timeout=5, experiment="bytes",
+    assert wait_metric(stack, "model_experiment_tokens_total", before + 6, experiment="bytes",
                        kind="prompt") == before + 6
 
 
@@ -311,6 +311,6 @@ def test_usage_the_router_asked_for_is_stripped_whatever_chunk_carries_it(stack,
               for k in ("prompt", "completion")}
     r = post(http, "/v1/chat/completions", "continuous-sse", {"model": "chat", "stream": True, "messages": []})
     assert r.content == CONTINUOUS_EXPECTED
-    after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1, timeout=5,
+    after = {k: wait_metric(stack, "model_experiment_tokens_total", before[k] + 1,
                             experiment="bytes", kind=k) for k in ("prompt", "completion")}
     assert (after["prompt"] - before["prompt"], after["completion"] - before["completion"]) == (3, 2)
