@@ -38,6 +38,12 @@ ATTRIBUTION_HEADERS = (
     EXPLAIN_HEADER, CACHE_HEADER,
 )
 
+# gRPC metadata on the decision filter's streams: the longest Envoy waits for
+# one answer when the sidecar asks for more time (its ``max_message_timeout``,
+# in ms). Envoy Gateway cannot set that limit, and its streams carry no such
+# entry: there the sidecar never keeps Envoy past ``message_timeout``.
+MAX_WAIT_METADATA = "x-model-router-max-wait-ms"
+
 # How often Envoy asks each sidecar endpoint whether it serves; a draining
 # worker waits a little longer than this before it stops taking streams.
 HEALTH_INTERVAL_S = 1

@@ -29,6 +29,7 @@ from ..config.schema import RESERVED_BACKEND_NAME, Config, Server
 from ..contract import (
     HEALTH_FAILURES,
     HEALTH_INTERVAL_S,
+    MAX_WAIT_METADATA,
     REPLY_NAMESPACE,
     RESPONSE_HEADER,
     SHADOW_HEADER,
@@ -47,6 +48,7 @@ from ..serve import grpc_auth, workers
 from . import envoy_fallback, envoy_limits, envoy_replies, envoy_shadow
 
 _T = "type.googleapis.com/"
+MAX_MESSAGE_TIMEOUT_S = 610  # the decision filter's max_message_timeout (the longest :online deadline, and a margin)
 
 
 def _addr(listen: str) -> dict[str, Any]:
@@ -253,7 +255,7 @@ def _upstream_filters(message_timeout_ms: int, buffer_limit: int, fail_open: boo
 
 def _ext_proc(
     name: str, message_timeout_ms: int, buffer_limit: int, modes: tuple[str, ...], fail_open: bool,
-    cluster: str = RESERVED_BACKEND_NAME, **extra: Any,
+    cluster: str = RESERVED_BACKEND_NAME, initial_metadata: list[dict[str, str]] | None = None, **extra: Any,
 ) -> dict[str, Any]:
     """An ext_proc filter on the sidecar cluster. ``modes``: request headers,
     request body, response headers, response body (trailers are never sent).
@@ -267,6 +269,7 @@ def _ext_proc(
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": cluster, "max_receive_message_length": buffer_limit},
                 "timeout": "30s",
+                **({"initial_metadata": initial_metadata} if initial_metadata else {}),
             },
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": 503},
@@ -435,9 +438,11 @@ def decision_filter(config: Config, cluster: str = RESERVED_BACKEND_NAME) -> dic
     return _ext_proc(
         "envoy.filters.http.ext_proc", server.message_timeout_ms, buffer_limit_bytes(server),
         ("SEND", "BUFFERED", "SEND", "NONE"), server.failure_mode == "open", cluster,
-        # The :online loop asks for more time (override_message_timeout), up to this.
-        max_message_timeout="610s",
+        # The :online loop and a held refusal ask for more time
+        # (override_message_timeout), up to this; the streams say so.
+        max_message_timeout=f"{MAX_MESSAGE_TIMEOUT_S}s",
         metadata_options={"receiving_namespaces": {"untyped": [REPLY_NAMESPACE]}},
+        initial_metadata=[{"key": MAX_WAIT_METADATA, "value": str(MAX_MESSAGE_TIMEOUT_S * 1000)}],
     )
 
 

@@ -30,7 +30,7 @@ from ..payload import response_ids
 from ..stores.cache import ResponseCache
 from .answer_parts import NOTHING_MORE, immediate
 from .hop_stream import HopStream, is_hop
-from .request_stream import RequestHandler, RequestState
+from .request_stream import RequestHandler, RequestState, longest_wait
 from .response_stream import (
     ResponseStream,
     Rewrite,
@@ -128,7 +128,7 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
                 if is_shadow(st.read(first.request_headers)):  # a shadow copy on its arm's cluster
                     stream = self._copy(first, messages, context)
                 else:
-                    stream = self._request(first, messages, st)
+                    stream = self._request(first, messages, st, context)
             async for answer in stream:
                 yield answer
         except Exception:
@@ -139,7 +139,7 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
             self.in_flight -= 1
 
     async def _request(self, first: pb.ProcessingRequest, messages: AsyncIterator[pb.ProcessingRequest],
-                       st: RequestState) -> AsyncIterator[pb.ProcessingResponse]:
+                       st: RequestState, context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         """A client's request (its headers read into ``st``): the decision at
         its headers, or at its body."""
         if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
@@ -155,7 +155,8 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
             if kind == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif kind == "request_body":
-                async for answer in self.requests.body(st, req.request_body.body):  # one read: each copies the body
+                waits = lambda: longest_wait(context)  # noqa: E731  (read only for a held refusal)
+                async for answer in self.requests.body(st, req.request_body.body, waits):  # one read: each copies the body
                     yield answer
                 return
             else:

@@ -9,9 +9,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -21,7 +21,7 @@ from google.protobuf import duration_pb2
 from .. import errors, metrics, routing
 from ..accounting.spans import upstream_traceparent
 from ..backends import websearch
-from ..contract import SHADOW_HEADER
+from ..contract import MAX_WAIT_METADATA, SHADOW_HEADER
 from ..decision import Decision, Fields, encode
 from ..errors import Reply
 from ..experiments.feedback import Feedback, is_feedback, owner_of
@@ -120,6 +120,21 @@ class RequestState:
         return out
 
 
+def longest_wait(context: Any) -> float | None:
+    """How long Envoy waits for one answer on this stream when the sidecar
+    asks for more time: the ``max_message_timeout`` the decision filter names
+    in the stream's metadata (:data:`~sidecar.contract.MAX_WAIT_METADATA`).
+    None: it does not say (Envoy Gateway cannot set one), so only its
+    ``message_timeout`` applies."""
+    for key, value in (context.invocation_metadata() or ()) if context is not None else ():
+        if key == MAX_WAIT_METADATA:
+            try:
+                return int(value) / 1000
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 def _more_time(seconds: float) -> pb.ProcessingResponse:
     """Asks Envoy to wait ``seconds`` (and a margin) for the stream's next
     answer, up to its ``max_message_timeout``."""
@@ -150,13 +165,23 @@ class RequestHandler:
         :meth:`RequestState.read`): a decision, or a request for the body."""
         return self._sent_on(st, await self._shared_budgets(st, self._request_headers(st, msg)))
 
-    async def body(self, st: RequestState, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
+    async def body(self, st: RequestState, body: bytes,
+                   longest_wait: Callable[[], float | None] = lambda: None) -> AsyncIterator[pb.ProcessingResponse]:
         """The answers to the body: the decision (an ``:online`` request first
-        gets a longer message timeout)."""
+        gets a longer message timeout). ``longest_wait``: how long Envoy waits
+        for one answer when asked (:func:`longest_wait`)."""
+        arrived = time.monotonic()
         excess = await self.json_budget.excess(body)
         if excess is not None:
-            yield _more_time(HOLD_PATIENCE_S)  # held before it is answered (payload/json_budget.py)
-            await self.json_budget.hold(len(body))
+            # Held before it is answered (payload/json_budget.py): as long as
+            # Envoy can be asked to wait, else within its message timeout.
+            if (longest_wait() or 0) > HOLD_PATIENCE_S:
+                yield _more_time(HOLD_PATIENCE_S)
+                patience = HOLD_PATIENCE_S
+            else:
+                patience = st.snap.config.server.message_timeout_ms / 2000 - (time.monotonic() - arrived)
+            if patience > 0:
+                await self.json_budget.hold(len(body), patience)
             yield self._refuse(self._too_complex(st, excess), st)
             return
         if st.ingress is None and not st.passthrough and is_feedback(st.path):

@@ -181,7 +181,8 @@ def with_secret(doc: Any, cluster: str, secret: str) -> None:
     if isinstance(doc, dict):
         target = doc.get("envoy_grpc")
         if isinstance(target, dict) and target.get("cluster_name") == cluster:
-            doc["initial_metadata"] = [{"key": METADATA_KEY, "value": secret}]
+            kept = [m for m in doc.get("initial_metadata", []) if m.get("key") != METADATA_KEY]
+            doc["initial_metadata"] = [*kept, {"key": METADATA_KEY, "value": secret}]
         for value in doc.values():
             with_secret(value, cluster, secret)
     elif isinstance(doc, list):

@@ -16,6 +16,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar.contract import MAX_WAIT_METADATA
 from sidecar.serve.grpc_auth import METADATA_KEY
 from tests.conftest import metric, wait_metric
 
@@ -154,7 +155,30 @@ def test_every_sidecar_call_in_the_bootstrap_carries_the_secret():
     # decision, response, hop (a copy per composite cluster), access log, rate-limit service
     assert len(services) >= 5
     for s in services:
-        assert s["initial_metadata"] == [{"key": METADATA_KEY, "value": "s" * 20}]
+        # Each call carries the secret once; the decision filter's also says how long Envoy waits when asked.
+        secrets = [m for m in s["initial_metadata"] if m["key"] == METADATA_KEY]
+        assert secrets == [{"key": METADATA_KEY, "value": "s" * 20}]
+        assert all(m["key"] in (METADATA_KEY, MAX_WAIT_METADATA) for m in s["initial_metadata"])
+    # The filters that say so wait as long as they say: their max_message_timeout (the others name none).
+    filters: list[dict] = []
+
+    def walk_filters(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("grpc_service"), dict) and "envoy_grpc" in node["grpc_service"]:
+                filters.append(node)
+            for v in node.values():
+                walk_filters(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk_filters(v)
+
+    walk_filters(boot)
+    said = {id(f): [m["value"] for m in f["grpc_service"]["initial_metadata"] if m["key"] == MAX_WAIT_METADATA]
+            for f in filters}
+    assert any(said.values())
+    for f in filters:
+        wait = f.get("max_message_timeout")
+        assert said[id(f)] == ([str(int(wait.removesuffix("s")) * 1000)] if wait else []), f
 
 
 # --------------------------------------------------------------------- mTLS

@@ -24,10 +24,12 @@ from sidecar.config import schema as config_mod
 from sidecar.deploy import envoy as envoyconf
 from sidecar.deploy import k8s, k8s_gateways
 from sidecar.devstack.stack import envoy_binary, free_port
+from sidecar.payload.json_budget import MAX_VALUES, REFUSED_BYTES_PER_SECOND
 from sidecar.routing import assignment
 from sidecar.serve import grpc_auth
 
 from ..conftest import demo_requests, metered, sidecar_metric
+from .test_bad_input import check_error
 from .test_k8s import TEMPLATE, _apply_envoy_filter, _eg_ext_proc, httproute_routes
 
 pytestmark = pytest.mark.integration
@@ -187,7 +189,8 @@ def authenticated(boot: dict, secret: str | None) -> dict:
     def walk(node) -> None:
         if isinstance(node, dict):
             if "envoy_grpc" in node and secret is not None:
-                node["initial_metadata"] = [{"key": grpc_auth.METADATA_KEY, "value": secret}]
+                kept = [m for m in node.get("initial_metadata", []) if m["key"] != grpc_auth.METADATA_KEY]
+                node["initial_metadata"] = [*kept, {"key": grpc_auth.METADATA_KEY, "value": secret}]
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
@@ -205,6 +208,32 @@ def test_an_envoy_gateway_proxy_meters_per_arm_and_fails_closed_with_503(stack_f
     boot = eg_bootstrap(yaml.safe_load((stack.workdir / "envoy.yaml").read_text()), files, listen, admin)
     with running_envoy(authenticated(boot, stack.grpc_secret), tmp_path):
         meters_each_arm_and_fails_closed(stack, listen, other_app=True)
+
+
+def test_under_envoy_gateway_a_body_past_the_budget_is_refused_within_the_message_timeout(stack_factory,
+                                                                                          tmp_path: Path):
+    """Envoy Gateway cannot let the sidecar ask for more time, and its streams
+    do not claim it can: a refusal held for its size (here about 3.3 s) would
+    outlast ``messageTimeout`` (3 s) and end as Envoy's 504, or go on to the
+    engine with ``failOpen``. It is held within half the timeout, then refused."""
+    text = Path(TEMPLATE).read_text().replace("message_timeout_ms: 5000", "message_timeout_ms: 3000", 1)
+    assert "message_timeout_ms: 3000" in text
+    stack = stack_factory(text)
+    files = k8s.manifests(config_mod.parse(text, env={}).config, "", k8s.Options())
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    boot = eg_bootstrap(yaml.safe_load((stack.workdir / "envoy.yaml").read_text()), files, listen, admin)
+    headers = {"authorization": "Bearer caller-1", "content-type": "application/json"}
+    values = b'{"model":"chat","x":[' + b",".join([b"[]"] * (REFUSED_BYTES_PER_SECOND * 11 // 10)) + b"]}"
+    assert len(values) / REFUSED_BYTES_PER_SECOND > 3.0  # its hold, where Envoy can be asked to wait
+    with running_envoy(authenticated(boot, stack.grpc_secret), tmp_path), \
+            httpx.Client(base_url=f"http://{listen}", timeout=60) as client:
+        # The worker's counting process starts on its first big body: not inside the measured request.
+        warm = client.post("/v1/chat/completions", headers=headers, content=b'{"model":"chat","x":['
+                           + b",".join([b"[]"] * (MAX_VALUES + 1)) + b"]}")
+        assert warm.status_code == 400, warm.text
+        r = client.post("/v1/chat/completions", headers=headers, content=values)
+    doc = check_error(r.status_code, r.headers, r.content, "openai")
+    assert r.status_code == 400 and f"more than {MAX_VALUES} JSON values" in doc["error"]["message"], doc
 
 
 def test_an_istio_gateway_patched_by_the_envoy_filter_meters_per_arm_and_fails_closed(stack_factory, tmp_path: Path):

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from sidecar.config import schema as config_mod
+from sidecar.contract import MAX_WAIT_METADATA
 from sidecar.deploy import k8s
 from sidecar.serve.grpc_auth import METADATA_KEY
 
@@ -66,10 +67,12 @@ def test_a_secret_from_the_environment_goes_to_a_secret_the_pod_and_the_gateway_
     values = [p["patch"]["value"] for p in patches]
     decision = next(v for v in values if v.get("name") == "envoy.filters.http.ext_proc")
     hcm = next(v for v in values if "access_log" in v.get("typed_config", {}))
-    calls = [decision["typed_config"]["extension_config"]["typed_config"]["grpc_service"],
-             hcm["typed_config"]["access_log"][0]["typed_config"]["common_config"]["grpc_service"]]
-    for call in calls:
-        assert call["initial_metadata"] == [{"key": METADATA_KEY, "value": SECRET}]
+    decides = decision["typed_config"]["extension_config"]["typed_config"]["grpc_service"]
+    logs = hcm["typed_config"]["access_log"][0]["typed_config"]["common_config"]["grpc_service"]
+    assert logs["initial_metadata"] == [{"key": METADATA_KEY, "value": SECRET}]
+    # The secret joins what the decision filter's streams already say: how long Envoy waits when asked.
+    assert decides["initial_metadata"] == [{"key": MAX_WAIT_METADATA, "value": "610000"},
+                                           {"key": METADATA_KEY, "value": SECRET}]
     assert "envoy-gateway.yaml" not in files  # its EnvoyExtensionPolicy cannot send the secret
 
 
