@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -155,7 +156,7 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
             if kind == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif kind == "request_body":
-                waits = lambda: longest_wait(context)  # noqa: E731  (read only for a held refusal)
+                waits = partial(longest_wait, context)  # (read only for a held refusal)
                 async for answer in self.requests.body(st, req.request_body.body, waits):  # one read: each copies the body
                     yield answer
                 return

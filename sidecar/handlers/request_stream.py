@@ -166,16 +166,16 @@ class RequestHandler:
         return self._sent_on(st, await self._shared_budgets(st, self._request_headers(st, msg)))
 
     async def body(self, st: RequestState, body: bytes,
-                   longest_wait: Callable[[], float | None] = lambda: None) -> AsyncIterator[pb.ProcessingResponse]:
+                   waits: Callable[[], float | None] = lambda: None) -> AsyncIterator[pb.ProcessingResponse]:
         """The answers to the body: the decision (an ``:online`` request first
-        gets a longer message timeout). ``longest_wait``: how long Envoy waits
-        for one answer when asked (:func:`longest_wait`)."""
+        gets a longer message timeout). ``waits``: how long Envoy waits for
+        one answer when asked (:func:`longest_wait`), read only when needed."""
         arrived = time.monotonic()
         excess = await self.json_budget.excess(body)
         if excess is not None:
             # Held before it is answered (payload/json_budget.py): as long as
             # Envoy can be asked to wait, else within its message timeout.
-            if (longest_wait() or 0) > HOLD_PATIENCE_S:
+            if (waits() or 0) > HOLD_PATIENCE_S:
                 yield _more_time(HOLD_PATIENCE_S)
                 patience = HOLD_PATIENCE_S
             else:

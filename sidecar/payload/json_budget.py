@@ -20,13 +20,13 @@ value each, at any depth) and ``MAX_VALUES`` values of any kind.
 - A body over the bound is refused, and its refusal is held so that a
   worker answers such bodies one at a time, ``REFUSED_BYTES_PER_SECOND`` at
   most (for at most ``HOLD_PATIENCE_S`` each; Envoy is asked to wait that
-  long, or, where it cannot be asked, as under Envoy Gateway, within half its
-  message timeout). Cheap refusals would otherwise let one client push bodies through
-  Envoy and the sidecar as fast as the loopback carries them, and moving
-  those bytes, not judging them, is then what slows everyone else: each
-  MiB costs the worker's event loop about 3 ms of copies (gRPC's message,
-  the body read out of it, the hand-over to the helper), so 4 MiB/s keeps
-  refused bodies to about 1% of its time.
+  long, or, where it cannot be asked, as under Envoy Gateway, within half
+  its message timeout). Cheap refusals would otherwise let one client push
+  bodies through Envoy and the sidecar as fast as the loopback carries
+  them, and moving those bytes, not judging them, is then what slows
+  everyone else: each MiB costs the worker's event loop about 3 ms of
+  copies (gRPC's message, the body read out of it, the hand-over to the
+  helper), so 4 MiB/s keeps refused bodies to about 1% of its time.
 """
 
 from __future__ import annotations
