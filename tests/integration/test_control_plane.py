@@ -139,12 +139,15 @@ def test_every_sidecar_call_in_the_bootstrap_carries_the_secret():
                                           "redis: {url: 'redis://127.0.0.1:1/0'}\nmetering:")).config
     boot = envoyconf.bootstrap(cfg, backend_urls={"pool-a": "http://127.0.0.1:1", "pool-b": "http://127.0.0.1:2"},
                                grpc_secret="s" * 20)
-    services: list[dict] = []
+    services: list[dict] = []  # every gRPC call Envoy makes to the sidecar
+    filters: list[dict] = []  # every config holding one as its grpc_service
 
     def walk(node):
         if isinstance(node, dict):
             if "envoy_grpc" in node:
                 services.append(node)
+            if isinstance(node.get("grpc_service"), dict) and "envoy_grpc" in node["grpc_service"]:
+                filters.append(node)
             for v in node.values():
                 walk(v)
         elif isinstance(node, list):
@@ -160,19 +163,6 @@ def test_every_sidecar_call_in_the_bootstrap_carries_the_secret():
         assert secrets == [{"key": METADATA_KEY, "value": "s" * 20}]
         assert all(m["key"] in (METADATA_KEY, MAX_WAIT_METADATA) for m in s["initial_metadata"])
     # The filters that say so wait as long as they say: their max_message_timeout (the others name none).
-    filters: list[dict] = []
-
-    def walk_filters(node):
-        if isinstance(node, dict):
-            if isinstance(node.get("grpc_service"), dict) and "envoy_grpc" in node["grpc_service"]:
-                filters.append(node)
-            for v in node.values():
-                walk_filters(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk_filters(v)
-
-    walk_filters(boot)
     said = {id(f): [m["value"] for m in f["grpc_service"]["initial_metadata"] if m["key"] == MAX_WAIT_METADATA]
             for f in filters}
     assert any(said.values())
