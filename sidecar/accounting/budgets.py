@@ -34,10 +34,10 @@ from ..routing.limits import BudgetState, LimitPlan, window_of
 from ..routing.snapshot import Snapshot
 from ..stores import shared_store
 from .entries import Reads
+from .metering import Entry, billed
 
 if TYPE_CHECKING:
     from ..config.schema import RedisSettings
-    from .metering import Entry
 
 # The decision's keys ``observe`` reads (``billed`` reads kind, background, estimate).
 _READS = Reads(("kind", "limit_model", "limit_refused", "key_id", "budgets", "reserved", "background", "estimate",
@@ -107,8 +107,6 @@ class Budgets:
     def observe(self, e: Entry) -> None:
         """An access-log entry (a metering observer): a refusal by a limit is
         counted; a budgeted request's reservation is settled to what it used."""
-        from .metering import billed
-
         d = e.decision
         if d.kind == "follow_up":
             self._retrieved(e)
