@@ -977,11 +977,13 @@ class Table:
                           "ttft_added_ms", ("router-up", "router-up-usage"))
         self.add("in-process decision (bench/decision.py)", "model-router", "–",
                  f"{d['total_us']:.1f} µs/req" if "total_us" in d else d.get("error", "–"), "–")
-        for who in ("model-router", "trivial processor"):
+        for who, label in (("model-router", "model-router"),
+                           ("the contract's own work, no decision", "the contract's own work (no decision)"),
+                           ("trivial processor", LABELS["minimal"])):
             us = d.get("rows", {}).get(f"ext_proc handler, 2 messages with protobuf ({who})")
             if us is not None:
                 self.add("in-process ext_proc handler, both messages with protobuf (bench/decision.py)",
-                         LABELS["minimal"] if who != "model-router" else "model-router", "–", f"{us:.1f} µs/req", "–")
+                         label, "–", f"{us:.1f} µs/req", "–")
 
     def markdown(self) -> str:
         lines = ["| " + " | ".join(self.HEAD) + " |", "|" + "|".join("---" for _ in self.HEAD) + "|"]
