@@ -124,7 +124,7 @@ class ContractFloor:
     """What the public contract alone costs per request, with no decision:
     the headers read into a dict, the body parsed and its ``model`` set, the
     caller's SHA-256, and the routed answer the router sends for this request
-    (its shared and own headers, its 18 metadata fields, copied from a
+    (its shared and own headers, its 17 metadata fields, copied from a
     skeleton as the router does). The router's figure less this one is the
     work of its own stages."""
 
@@ -157,10 +157,9 @@ class ContractFloor:
             data["model"] = "llama-3.1-8b"
             body = orjson.dumps(data)
             caller = hashlib.sha256(headers["authorization"].encode()).hexdigest()[:16]
-            md = dict(self.DECISION, request_id=headers["x-request-id"], key_id="team-1", span_id="1899be19aa43ea5d",
-                      estimate="41,64", caller=caller)
-            own = [("content-length", str(len(body))),
-                   ("traceparent", "00-6927c03c4cb1fa5ffd3711e26538f761-1899be19aa43ea5d-01")]
+            md = dict(self.DECISION, request_id=headers["x-request-id"], key_id="team-1", estimate="41,64",
+                      caller=caller)
+            own = [("content-length", str(len(body)))]
             yield self.parts.routed("body", NOTHING_MORE, NAMESPACE, md, self.SHARED, self.REMOVE, own, body)
             return
 

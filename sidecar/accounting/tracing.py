@@ -151,6 +151,10 @@ class Tracer:
             self._cfg = cfg
         return self.settings
 
+    def on(self) -> bool:
+        """Whether spans are exported under the current config."""
+        return self._current() is not None
+
     def reads(self) -> Reads:
         """Everything, the client's trace headers too, while tracing is on; else nothing."""
         return NOTHING if self._current() is None else EVERYTHING

@@ -413,8 +413,10 @@ class RequestHandler:
             own.append((":path", route.path))
         if route.body is not None:
             own.append(("content-length", str(len(route.body))))
-        traced = upstream_traceparent(st.headers.get("traceparent"))
-        if traced is not None:  # the engine's spans join the router's trace (docs/observability.md)
+        # The engine's spans join the router's trace (docs/observability.md);
+        # with no span exported, none is named upstream: it would be no one's.
+        traced = upstream_traceparent(st.headers.get("traceparent")) if self.runtime.exports_traces() else None
+        if traced is not None:
             own.append(("traceparent", traced[0]))
             st.span_id = traced[1]
         limits = st.snap.config.envoy

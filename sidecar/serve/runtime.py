@@ -15,6 +15,7 @@ import aiohttp
 from .. import metrics
 from ..accounting.budgets import Budgets
 from ..accounting.metering import JsonLinesSink
+from ..accounting.tracing import Tracer
 from ..backends.monitor import Monitor
 from ..backends.state import BackendState
 from ..config import guard as config_guard
@@ -66,6 +67,7 @@ class Runtime:
         self.requests = 0
         self.on_due: Callable[[], None] | None = None  # without a supervisor: what to do at the bound
         self.budgets = Budgets(lambda: self.snapshot)
+        self.tracer = Tracer(lambda: self.snapshot.config.tracing, server_of=self._server_of)
         prime_metrics(loaded.config)
         metrics.CONFIG_RELOADS.labels("success").inc()
         metrics.CONFIG_LOADED.set(time.time())
@@ -79,6 +81,14 @@ class Runtime:
         except grpc_auth.SecretError as exc:
             raise SystemExit(f"error: {exc}") from None
         return response_ids.derive(secret) if secret else response_ids.PROCESS_KEY
+
+    def _server_of(self, backend: str) -> tuple[str, int] | None:
+        info = self.snapshot.backends.get(backend)
+        return (info.host, info.port) if info is not None else None
+
+    def exports_traces(self) -> bool:
+        """Whether this process exports spans now (the config and ``OTEL_*`` variables)."""
+        return self.tracer.on()
 
     def http_session(self) -> aiohttp.ClientSession:
         """One client session for the sidecar's own upstream calls (the :online loop)."""

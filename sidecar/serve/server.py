@@ -20,7 +20,6 @@ from .. import metrics
 from ..accounting.logs import DecisionLog, announce, fatal
 from ..accounting.logs import setup as setup_logging
 from ..accounting.metering import AccessLogService, Meter
-from ..accounting.tracing import Tracer
 from ..backends.monitor import Monitor
 from ..config import address
 from ..config.schema import GrpcAuth
@@ -102,11 +101,7 @@ async def serve_async(
     )
     processor = Processor(runtime)
     pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    def server_of(backend: str) -> tuple[str, int] | None:
-        info = runtime.snapshot.backends.get(backend)
-        return (info.host, info.port) if info is not None else None
-
-    tracer = Tracer(lambda: runtime.snapshot.config.tracing, server_of=server_of)
+    tracer = runtime.tracer
     sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
     metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
     meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))

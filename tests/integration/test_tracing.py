@@ -281,6 +281,18 @@ def test_a_request_without_traceparent_starts_a_new_trace_the_engine_joins(grpc_
 
 
 @pytest.mark.integration
+def test_with_tracing_off_no_trace_context_is_made_up_for_the_engine(stack_factory):
+    """Without span export the router's span exists nowhere: a request goes
+    upstream with the trace context its client sent, or with none."""
+    stack = stack_factory(CONFIG % ("{enabled: false}", KEY))
+    for sent in ({}, {"traceparent": "00-not-a-trace-01"}, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}):
+        clear_demo_requests(stack)
+        raw = _chat(stack, "untraced", sent)
+        (seen,) = demo_requests(stack, ARM[raw.headers["x-continuum-experiment-variant"]][1])
+        assert seen["headers"].get("traceparent") == sent.get("traceparent"), seen["headers"]
+
+
+@pytest.mark.integration
 def test_a_refusal_has_a_span_with_its_kind(grpc_stack, grpc_receiver):
     r = httpx.post(grpc_stack.url + "/v1/chat/completions", json={"model": "nope", "messages": []},
                    headers={"authorization": f"Bearer {KEY}", "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})

@@ -49,6 +49,9 @@ class Runtime:
     def count_request(self) -> None:
         pass
 
+    def exports_traces(self) -> bool:
+        return False
+
     def report_response(self, backend: str, status: int | None) -> None:
         pass
 
