@@ -7,6 +7,8 @@ would serve nobody meanwhile. So before a body is parsed, what its parse
 would build is bounded: at most ``MAX_MEMBERS`` object members (a key and a
 value each, at any depth) and ``MAX_VALUES`` values of any kind.
 
+- A body of no more bytes than either bound is within: each member takes
+  a ``:``, and each value past the first a ``,``, ``[`` or ``{``.
 - A body up to ``INLINE_BYTES`` whose structural bytes (``:`` for members;
   ``,``, ``[`` and ``{`` for values) are few enough, counted anywhere in it,
   is within at once: those are upper bounds, settled in native byte counts.
@@ -104,6 +106,9 @@ class Budget:
                  hold: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.max_members = max_members
         self.max_values = max_values
+        # A body of this many bytes or fewer cannot hold too much of either:
+        # each member takes a ':', each value past the first a ',', '[' or '{'.
+        self._small = min(max_members, max_values - 1)
         self._hold = hold
         self._refusals = asyncio.Lock()
         self._pool: ProcessPoolExecutor | None = None
@@ -111,6 +116,8 @@ class Budget:
     async def excess(self, body: bytes) -> str | None:
         """What the body holds too much of (``"more than 100000 JSON object
         members"``), or None when the router may parse it."""
+        if len(body) <= self._small:
+            return None
         start = _LEADING_WS.match(body).end()  # type: ignore[union-attr]
         if body[start:start + 1] not in (b"{", b"["):
             return None  # not JSON (a form, say): the JSON parser never sees it

@@ -102,3 +102,18 @@ def test_a_body_of_too_many_members_is_refused_in_the_family_shape(stack_factory
     ok = httpx.post(stack.url + "/v1/chat/completions", content=members(1000),
                     headers={"content-type": "application/json"}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_body_no_longer_than_either_bound_is_within_and_one_byte_more_is_counted():
+    members_bound, values_bound = Budget(max_members=10, max_values=1000), Budget(max_members=1000, max_values=20)
+
+    async def run() -> list[str | None]:
+        return [await members_bound.excess(b"{" + b":" * 9), await members_bound.excess(b"{" + b":" * 10),
+                await values_bound.excess(b"[" * 19), await values_bound.excess(b"[" * 20)]
+
+    try:  # 10 and 11 bytes: 9 and 10 members; 19 and 20 bytes: 20 and 21 values
+        assert asyncio.run(run()) == [None, None, None, "more than 20 JSON values"]
+        assert asyncio.run(members_bound.excess(b"{" + b":" * 11)) == "more than 10 JSON object members"
+    finally:
+        members_bound.close()
+        values_bound.close()
