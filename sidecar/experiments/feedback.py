@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -157,11 +158,12 @@ class Feedback:
     def __init__(self) -> None:
         self.join = JoinStore()
 
-    def record(self, config: Config, request_id: str | None, owner: str, experiment: str | None,
+    def record(self, config: Config, request_id: str | None, owner: Callable[[], str], experiment: str | None,
                variant: str | None) -> None:
-        """A routed request's arm, when feedback metrics are declared (no I/O; never raises)."""
+        """A routed request's arm, when feedback metrics are declared (no I/O;
+        never raises). ``owner`` is asked only then."""
         if config.feedback_metrics and request_id and experiment and variant:
-            self.join.record(config, request_id, Served(owner, experiment, variant))
+            self.join.record(config, request_id, Served(owner(), experiment, variant))
 
     async def handle(self, config: Config, method: str, owner: str, body: bytes) -> tuple[Reply, Decision]:
         """The answer to a feedback call and the metadata its usage record is made from."""

@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, cast
 
 import orjson
@@ -371,7 +372,7 @@ class RequestHandler:
         """The arm that serves this request, for feedback on it (in memory: no I/O here)."""
         plan = route.plan
         if plan is not None and plan.kind == "routed" and plan.experiment is not None:
-            self.feedback.record(st.snap.config, st.headers.get("x-request-id"), self._owner(st),
+            self.feedback.record(st.snap.config, st.headers.get("x-request-id"), partial(self._owner, st),
                                  plan.experiment, plan.variant)
 
     def _feedback_headers(self, st: RequestState, msg: pb.HttpHeaders) -> pb.ProcessingResponse:

@@ -89,7 +89,7 @@ def test_join_replaces_without_double_counting(cfg):
     before = [count(m) for m in (feedback.GIVEN, feedback.CORRECTIONS, feedback.VALUE, feedback.RETRACTED)]
 
     async def go():
-        fb.record(cfg, "r1", "id:team-a", "split", "control")
+        fb.record(cfg, "r1", lambda: "id:team-a", "split", "control")
         first = await fb.handle(cfg, "POST", "id:team-a", body())
         again = await fb.handle(cfg, "POST", "id:team-a", body(value=False))
         other = await fb.handle(cfg, "POST", "id:team-b", body())
@@ -127,8 +127,9 @@ def test_memory_join_is_bounded_and_expires(cfg):
 def test_feedback_needs_declared_metrics_to_record():
     fb = Feedback()
     plain = parse(BASE).config
-    fb.record(plain, "r1", "", "split", "control")
-    assert len(fb.join.memory) == 0
+    asked = []
+    fb.record(plain, "r1", lambda: asked.append("owner") or "", "split", "control")
+    assert len(fb.join.memory) == 0 and asked == []  # nor is the owner worked out
 
 
 def test_feedback_usage_record():

@@ -203,7 +203,7 @@ def test_the_registry_source_reads_this_process_counters(cfg):
 
     async def give() -> None:
         for i, variant in enumerate(["control", "candidate", "candidate"]):
-            fb.record(cfg, f"reg-{i}", "", "split", variant)
+            fb.record(cfg, f"reg-{i}", lambda: "", "split", variant)
             reply, _ = await fb.handle(cfg, "POST", "", json.dumps(
                 {"request_id": f"reg-{i}", "name": "thumbs_up", "value": variant == "candidate"}).encode())
             assert reply.status == 200
