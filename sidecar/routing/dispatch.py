@@ -74,11 +74,13 @@ def at_headers(
     family = family_for(path)
     problem = path_problem(raw_path)
     if problem is not None:
-        _stage(trace, "ingress", f"refused: {problem}", path=raw_path)
+        if trace is not None:
+            trace.stage("ingress", f"refused: {problem}", path=raw_path)
         return Head(path, family, "refused", outcome=errors.error("invalid_request", problem, family))
     ingress = lookup(path)
-    _stage(trace, "ingress", f"{ingress.path} ({family}, {ingress.body} body)" if ingress is not None
-           else "not a model endpoint", path=path, family=family)
+    if trace is not None:
+        trace.stage("ingress", f"{ingress.path} ({family}, {ingress.body} body)" if ingress is not None
+                    else "not a model endpoint", path=path, family=family)
     caller = authenticate(snap, headers, family, trace)
     if isinstance(caller, Reply):
         return Head(path, family, "refused", ingress, outcome=caller)
@@ -89,11 +91,13 @@ def at_headers(
         return Head(path, family, "ingress", ingress, caller)
     about = follow_up_of(path)
     if about is not None:
-        _stage(trace, "follow_up", f"about the stored response {about[0]}")
+        if trace is not None:
+            trace.stage("follow_up", f"about the stored response {about[0]}")
         return Head(path, family, "follow_up", None, caller, follow_up(snap, path, *about, caller))
     listed = listing_of(path)
     if listed is not None:
-        _stage(trace, "listing", f"{listed}: answered by the sidecar, filtered for the key")
+        if trace is not None:
+            trace.stage("listing", f"{listed}: answered by the sidecar, filtered for the key")
         return Head(path, family, "listing", None, caller, listing.answer(snap, listed, method, caller.key))
     # Refuse at once what no body can change (passthrough off, a restricted key).
     early = passthrough(snap, path, caller, family, [])
@@ -109,10 +113,10 @@ def at_body(
         return errors.too_large(snap.max_body_bytes, head.family)
     if head.ingress is None:
         models = named_models_or_error(head.path, body, headers.get("content-type", ""))
-        if isinstance(models, list):
-            _stage(trace, "passthrough", f"names the models {models}" if models else "names no model", models=models)
-        else:
-            _stage(trace, "passthrough", f"refused: {models}")
+        if trace is not None and isinstance(models, list):
+            trace.stage("passthrough", f"names the models {models}" if models else "names no model", models=models)
+        elif trace is not None:
+            trace.stage("passthrough", f"refused: {models}")
         return passthrough(snap, head.path, head.caller, head.family, models)
     return decide(snap, Request(
         ingress=head.ingress, path=head.path, headers=headers, body=body, caller=head.caller, now=live.now,
@@ -131,7 +135,3 @@ def _unreadable(snap: Snapshot, headers: Mapping[str, str], family: Family, body
         return errors.too_large(snap.max_body_bytes, family)
     return None
 
-
-def _stage(trace: Trace | None, name: str, detail: str, **facts: object) -> None:
-    if trace is not None:
-        trace.stage(name, detail, **facts)
