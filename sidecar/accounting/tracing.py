@@ -157,7 +157,7 @@ class Tracer:
 
     def reads(self) -> Reads:
         """Everything, the client's trace headers too, while tracing is on; else nothing."""
-        return NOTHING if self._current() is None else EVERYTHING
+        return EVERYTHING if self.on() else NOTHING
 
     def observe(self, entry: Entry) -> None:
         try:

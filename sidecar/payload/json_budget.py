@@ -106,9 +106,7 @@ class Budget:
                  hold: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.max_members = max_members
         self.max_values = max_values
-        # A body of this many bytes or fewer cannot hold too much of either:
-        # each member takes a ':', each value past the first a ',', '[' or '{'.
-        self._small = min(max_members, max_values - 1)
+        self._small = min(max_members, max_values - 1)  # bytes that cannot hold too much (module docstring)
         self._hold = hold
         self._refusals = asyncio.Lock()
         self._pool: ProcessPoolExecutor | None = None
