@@ -6,7 +6,8 @@
 Prints microseconds of this process's CPU time per call (``time.process_time``,
 so time the machine gives to other work is not counted) for the pieces the sidecar runs per request,
 on the request path (the decision) and off it (one access-log entry: decoding
-it from a batch, the metrics and the usage record written to a file).
+it from a batch, the metrics, the usage record written to a file, and the
+server's observers: spans, the decision log, token budgets, the sample-ratio tracker).
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
 from sidecar.accounting import metering
 from sidecar.config.schema import parse
 from sidecar.contract import NAMESPACE
+from sidecar.experiments import srm
 from sidecar.handlers.answer_parts import NOTHING_MORE, AnswerParts
 from sidecar.handlers.extproc import Processor
 from sidecar.payload.rewrite import SSERewriter, rewrite_json_body
 from sidecar.routing import Request, authenticate, decide, snapshot
 from sidecar.routing.ingress import lookup
 from sidecar.serve.runtime import Runtime
+from sidecar.serve.server import meter_of
 
 CONFIG = """
 backends:
@@ -167,10 +171,35 @@ class ContractFloor:
 ALS_BATCH = 16  # entries per access-log message (Envoy flushes at 16 KiB)
 
 
-def access_log_batch(n: int = ALS_BATCH) -> bytes:
-    """A serialized ``StreamAccessLogsMessage`` of ``n`` entries shaped like Envoy's for a routed request."""
+def routed_decisions(runtime: Runtime, n: int = ALS_BATCH) -> list[struct_pb2.Struct]:
+    """The decision metadata the router's handler sends Envoy for the bench's
+    first ``n`` requests: what Envoy's access log hands back."""
+    processor = Processor(runtime)
+    out: list[struct_pb2.Struct] = []
+
+    async def one(i: int) -> None:
+        async def incoming():
+            for m in processing_requests(i):
+                yield pb.ProcessingRequest.FromString(m)
+
+        async for resp in processor.Process(incoming(), None):
+            if NAMESPACE in resp.dynamic_metadata.fields:
+                out.append(resp.dynamic_metadata.fields[NAMESPACE].struct_value)
+
+    async def all_of() -> None:
+        for i in range(n):
+            await one(i)
+
+    asyncio.run(all_of())
+    if len(out) != n or any(d.fields["kind"].string_value != "routed" for d in out):
+        raise RuntimeError("the bench's requests were not routed: check CONFIG")
+    return out
+
+
+def access_log_batch(decisions: list[struct_pb2.Struct]) -> bytes:
+    """A serialized ``StreamAccessLogsMessage``, one entry per decision, shaped like Envoy's for a routed request."""
     msg = als_pb2.StreamAccessLogsMessage()
-    for i in range(n):
+    for i, decision in enumerate(decisions):
         e = msg.http_logs.log_entry.add()
         c = e.common_properties
         c.downstream_remote_address.socket_address.address = "127.0.0.1"
@@ -187,12 +216,7 @@ def access_log_batch(n: int = ALS_BATCH) -> bytes:
                          ("time_to_last_upstream_rx_byte", 1_210_000), ("time_to_first_downstream_tx_byte", 1_300_000),
                          ("time_to_last_downstream_tx_byte", 1_310_000), ("duration", 1_310_000)):
             getattr(c, name).nanos = ns
-        c.metadata.filter_metadata[metering.NAMESPACE].update({
-            "kind": "routed", "request_id": f"12b8da34-3d86-4eb9-932d-70fb2396{i:04d}", "key_id": f"team-{i}",
-            "client_model": "chat", "upstream_model": "llama-3.1-8b", "backend": "pool-a", "family": "openai",
-            "experiment": "chat-ab", "variant": "control", "assignment": "sticky",
-            "x_experiment": "chat-ab", "x_experiment_variant": "control",
-        })
+        c.metadata.filter_metadata[NAMESPACE].CopyFrom(decision)
         c.metadata.filter_metadata[metering.USAGE_NAMESPACE].update({"prompt_tokens": 24, "completion_tokens": 5})
         r = e.request
         r.request_method = base_pb2.POST
@@ -205,28 +229,22 @@ def access_log_batch(n: int = ALS_BATCH) -> bytes:
     return msg.SerializeToString()
 
 
-def access_log_us() -> float:
-    """µs per entry: decode a batch, then metrics and usage records as the AccessLogService does."""
-    raw = access_log_batch()
-    with tempfile.TemporaryDirectory() as d:
-        sink = metering.JsonLinesSink(os.path.join(d, "usage.jsonl"))
-        meter = metering.Meter(lambda backend, status: None, sink)
-
-        def batch():
-            message = als_pb2.StreamAccessLogsMessage.FromString(raw)
-            meter.record(metering.entry_of(x) for x in message.http_logs.log_entry)
-
-        try:
-            return per_call_us(batch, 2_000) / ALS_BATCH
-        finally:
-            sink.close()
+def account(meter: metering.Meter, raw: bytes) -> None:
+    """One access-log message, decoded and accounted as the server's AccessLogService does."""
+    message = als_pb2.StreamAccessLogsMessage.FromString(raw)
+    reads = meter.reads()
+    meter.record(metering.entry_of(x, reads) for x in message.http_logs.log_entry)
 
 
-def access_log_hold_us(batches: int = 200) -> float:
+def access_log_us(meter: metering.Meter, raw: bytes) -> float:
+    """µs per entry: :func:`account` over a batch, divided by its entries."""
+    return per_call_us(lambda: account(meter, raw), 2_000) / ALS_BATCH
+
+
+def access_log_hold_us(meter: metering.Meter, raw: bytes, batches: int = 200) -> float:
     """The longest the access-log service holds the event loop while it
     accounts one batch (a task that only yields notes the gaps between its
     turns): what an ext_proc message arriving mid-batch waits for."""
-    raw = access_log_batch()
     batches = _n(batches)
 
     class Stream:
@@ -239,27 +257,22 @@ def access_log_hold_us(batches: int = 200) -> float:
             self.left -= 1
             return als_pb2.StreamAccessLogsMessage.FromString(raw)
 
-    with tempfile.TemporaryDirectory() as d:
-        sink = metering.JsonLinesSink(os.path.join(d, "usage.jsonl"))
-        service = metering.AccessLogService(metering.Meter(lambda backend, status: None, sink))
+    service = metering.AccessLogService(meter)
 
-        async def main() -> float:
-            stream = asyncio.ensure_future(service.StreamAccessLogs(None, Stream()))
-            gaps = []
-            last = time.process_time()
-            while not stream.done():
-                await asyncio.sleep(0)
-                now = time.process_time()
-                gaps.append(now - last)
-                last = now
-            await stream
-            gaps.sort()
-            return gaps[int(len(gaps) * 0.99)] * 1e6  # (the 99th percentile: the longest, without the odd outlier)
+    async def main() -> float:
+        stream = asyncio.ensure_future(service.StreamAccessLogs(None, Stream()))
+        gaps = []
+        last = time.process_time()
+        while not stream.done():
+            await asyncio.sleep(0)
+            now = time.process_time()
+            gaps.append(now - last)
+            last = now
+        await stream
+        gaps.sort()
+        return gaps[int(len(gaps) * 0.99)] * 1e6  # (the 99th percentile: the longest, without the odd outlier)
 
-        try:
-            return asyncio.run(main())
-        finally:
-            sink.close()
+    return asyncio.run(main())
 
 
 def per_call_us(fn, number: int) -> float:
@@ -293,18 +306,22 @@ def main() -> None:
     ]
     rw = SSERewriter("chat", "openai")
     rows.append(("SSE event rewrite (one ~200 B event)", per_call_us(lambda: rw.feed(CHUNK), 100_000)))
-    rows.append((f"access-log entry (decode in a batch of {ALS_BATCH}, metrics, usage record)", access_log_us()))
-    rows.append((f"access log: the loop held while a batch of {ALS_BATCH} is accounted (p99 of the holds)",
-                 access_log_hold_us()))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from minimal_extproc import MinimalProcessor
 
     with tempfile.TemporaryDirectory() as d:
-        # The server's own Runtime, so the handler meets what it meets in production.
+        # The server's own Runtime and accounting, so the handler and the
+        # access log meet what they meet in production.
         path = os.path.join(d, "config.yaml")
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(CONFIG % KEYS)
-        runtime = Runtime(path)
+        runtime = Runtime(path, usage_records=os.path.join(d, "usage.jsonl"))
+        meter = meter_of(runtime, srm.Tracker(lambda: runtime.snapshot.config))
+        raw = access_log_batch(routed_decisions(runtime))
+        rows.append((f"access-log entry (decode in a batch of {ALS_BATCH}, metrics, usage record, observers)",
+                     access_log_us(meter, raw)))
+        rows.append((f"access log: the loop held while a batch of {ALS_BATCH} is accounted (p99 of the holds)",
+                     access_log_hold_us(meter, raw)))
         rows.append(("ext_proc handler, 2 messages with protobuf (model-router)", handler_us(Processor(runtime))))
     rows.append(("ext_proc handler, 2 messages with protobuf (the contract's own work, no decision)",
                  handler_us(ContractFloor())))

@@ -50,6 +50,14 @@ class _SinkOf:
             sink.write(records)
 
 
+def meter_of(runtime: Runtime, sample_ratio: srm.Tracker) -> Meter:
+    """The access log's accounting as the server runs it: metrics, passive
+    health, usage records, and every observer (spans, the decision log,
+    token budgets, the sample-ratio tracker)."""
+    observers = (runtime.tracer, DecisionLog(), runtime.budgets, sample_ratio)
+    return Meter(runtime.report_response, _SinkOf(runtime), observers=observers)
+
+
 def _grpc_gate(
     auth: GrpcAuth, secret_file: str | None, listen: str, trust_network: bool,
 ) -> tuple[grpc_auth.Gate, grpc.ServerCredentials | None]:
@@ -104,8 +112,7 @@ async def serve_async(
     tracer = runtime.tracer
     sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
     metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
-    meter = Meter(runtime.report_response, _SinkOf(runtime), observers=(tracer, DecisionLog(), runtime.budgets, sample_ratio))
-    access_log = AccessLogService(meter)
+    access_log = AccessLogService(meter_of(runtime, sample_ratio))
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
     health_service = health.aio.HealthServicer()
