@@ -221,10 +221,10 @@ class Meter:
     """Turns entries into metrics, passive health reports and usage records,
     and hands each to the observers."""
 
-    def __init__(self, report_failure: Callable[[str, int | None], None], sink: Sink | None = None,
-                 observers: Iterable[Observer] = ()) -> None:
+    def __init__(self, report_failure: Callable[[str, int | None], None],
+                 sink: Callable[[], Sink | None] = lambda: None, observers: Iterable[Observer] = ()) -> None:
         self.report_failure = report_failure
-        self.sink = sink
+        self.sink = sink  # where a batch's usage records go, asked once per batch (None: no record is made)
         self.observers = tuple(observers)
         fixed, dynamic = ACCOUNTING, []
         for o in self.observers:
@@ -253,7 +253,7 @@ class Meter:
 
     def record(self, entries: Iterable[Entry]) -> None:
         records = []
-        sink, observers = self.sink, self.observers
+        sink, observers = self.sink(), self.observers
         # A batch's counter increments, summed per child and added once at the
         # end (a batch is mostly one arm's requests; each ``inc`` takes a lock),
         # and its histogram observations, kept in order per child.
@@ -297,9 +297,9 @@ class Meter:
                 child.inc(n)
             for child, values in observed.items():
                 observe_all(child, values)
-        if records and self.sink is not None:
+        if records and sink is not None:
             try:
-                self.sink.write(records)
+                sink.write(records)
             except OSError as exc:
                 metrics.USAGE_RECORDS_DROPPED.inc(len(records))
                 log.error("usage records could not be written: %s", exc)

@@ -38,24 +38,12 @@ log = logging.getLogger("model_router.server")
 RETIRE_WAIT_S = 10.0
 
 
-class _SinkOf:
-    """The runtime's current usage sink, looked up per batch."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
-    def write(self, records: list[dict[str, Any]]) -> None:
-        sink = self.runtime.usage_sink()
-        if sink is not None:
-            sink.write(records)
-
-
 def meter_of(runtime: Runtime, sample_ratio: srm.Tracker) -> Meter:
     """The access log's accounting as the server runs it: metrics, passive
     health, usage records, and every observer (spans, the decision log,
     token budgets, the sample-ratio tracker)."""
     observers = (runtime.tracer, DecisionLog(), runtime.budgets, sample_ratio)
-    return Meter(runtime.report_response, _SinkOf(runtime), observers=observers)
+    return Meter(runtime.report_response, runtime.usage_sink, observers=observers)
 
 
 def _grpc_gate(

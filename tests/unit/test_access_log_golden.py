@@ -210,7 +210,7 @@ def run(observed: bool = True) -> dict[str, Any]:
     raw = batch()
     failures: list[list[Any]] = []
     sink, seen = Sink(), Seen()
-    meter = Meter(lambda backend, status: failures.append([backend, status]), sink,
+    meter = Meter(lambda backend, status: failures.append([backend, status]), lambda: sink,
                   observers=(seen,) if observed else ())
     before = samples()
     # As the AccessLogService does: one generator of entries per message, twice (two batches).

@@ -116,14 +116,14 @@ def test_a_meter_reads_the_union_and_keeps_it_while_the_parts_stand():
             pass
 
     on = On()
-    meter = Meter(lambda b, s: None, None, observers=(on, Caller()))
+    meter = Meter(lambda b, s: None, observers=(on, Caller()))
     first = meter.reads()
     assert first.keys == ACCOUNTING.keys | {"caller"} and not first.trace_headers
     assert meter.reads() is first
     on.part = EVERYTHING
     assert meter.reads().keys == EVERYTHING.keys and meter.reads().trace_headers
     assert Meter(lambda b, s: None).reads() is ACCOUNTING
-    assert Meter(lambda b, s: None, None, observers=(object(),)).reads().keys == EVERYTHING.keys  # type: ignore[arg-type]
+    assert Meter(lambda b, s: None, observers=(object(),)).reads().keys == EVERYTHING.keys  # type: ignore[arg-type]
 
 
 def test_an_entry_without_a_kind_is_read_whole():
@@ -154,7 +154,8 @@ def test_an_entry_that_cannot_be_read_ends_the_batch_after_the_ones_before_it():
         yield from good
         raise OverflowError("unreadable")
 
-    meter = Meter(lambda b, s: None, Sink(), observers=(Seen(),))
+    sink = Sink()
+    meter = Meter(lambda b, s: None, lambda: sink, observers=(Seen(),))
     try:
         meter.record(batch_with_a_bad_entry())
     except OverflowError:

@@ -55,3 +55,31 @@ def test_a_backend_that_failed_is_still_charged():
         assert not entry.local_reply
         assert status_class(entry) == "server_error"
         assert charged(entry) == (["pool-b"], "server_error")
+
+
+def test_no_usage_record_is_made_while_no_sink_takes_one(monkeypatch):
+    """Usage records are off by default (no ``metering.usage_records``): the
+    meter asks for its sink once per batch and, without one, makes no record;
+    with one, each entry's record reaches it."""
+    import sidecar.accounting.metering as metering
+
+    made: list[object] = []
+    real = metering.usage_record
+    monkeypatch.setattr(metering, "usage_record", lambda *a: made.append(a) or real(*a))
+    entries = [entry_of(log_entry(200, upstream=True)) for _ in range(3)]
+    asked: list[object] = []
+    sink: list[dict] = []
+
+    class Sink:
+        def write(self, records: list[dict]) -> None:
+            sink.extend(records)
+
+    def none():
+        asked.append(None)
+        return None
+
+    Meter(lambda b, s: None, none).record(entries)
+    assert (len(asked), made) == (1, [])
+    taking = Sink()
+    Meter(lambda b, s: None, lambda: taking).record(entries)
+    assert len(made) == len(sink) == 3 and {r["experiment_id"] for r in sink} == {"local-reply"}
