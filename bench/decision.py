@@ -171,26 +171,24 @@ class ContractFloor:
 ALS_BATCH = 16  # entries per access-log message (Envoy flushes at 16 KiB)
 
 
+def answers(servicer, i: int) -> list[pb.ProcessingResponse]:
+    """A servicer's answers to the bench's request ``i`` (both messages)."""
+
+    async def run() -> list[pb.ProcessingResponse]:
+        async def messages():
+            for m in processing_requests(i):
+                yield pb.ProcessingRequest.FromString(m)
+        return [a async for a in servicer.Process(messages(), None)]
+
+    return asyncio.run(run())
+
+
 def routed_decisions(runtime: Runtime, n: int = ALS_BATCH) -> list[struct_pb2.Struct]:
     """The decision metadata the router's handler sends Envoy for the bench's
     first ``n`` requests: what Envoy's access log hands back."""
     processor = Processor(runtime)
-    out: list[struct_pb2.Struct] = []
-
-    async def one(i: int) -> None:
-        async def incoming():
-            for m in processing_requests(i):
-                yield pb.ProcessingRequest.FromString(m)
-
-        async for resp in processor.Process(incoming(), None):
-            if NAMESPACE in resp.dynamic_metadata.fields:
-                out.append(resp.dynamic_metadata.fields[NAMESPACE].struct_value)
-
-    async def all_of() -> None:
-        for i in range(n):
-            await one(i)
-
-    asyncio.run(all_of())
+    out = [a.dynamic_metadata.fields[NAMESPACE].struct_value
+           for i in range(n) for a in answers(processor, i) if NAMESPACE in a.dynamic_metadata.fields]
     if len(out) != n or any(d.fields["kind"].string_value != "routed" for d in out):
         raise RuntimeError("the bench's requests were not routed: check CONFIG")
     return out

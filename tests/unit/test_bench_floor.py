@@ -5,7 +5,6 @@ a smaller answer."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -20,12 +19,7 @@ import decision as bench  # noqa: E402
 
 
 def _answers(processor, i: int) -> list[pb.ProcessingResponse]:
-    async def run() -> list[pb.ProcessingResponse]:
-        async def messages():
-            for m in bench.processing_requests(i):
-                yield pb.ProcessingRequest.FromString(m)
-        return [a async for a in processor.Process(messages(), None)]
-    return asyncio.run(run())
+    return bench.answers(processor, i)
 
 
 def _shape(answer: pb.ProcessingResponse) -> tuple:
