@@ -1,7 +1,8 @@
 """The benchmark harness runs: every stack of ``bench/run.py`` (bare Envoy, the
 trivial processor, the router with 2 processes, without its access log, with
 1 process) and every load generator answer a few requests, and the report is
-printed. Nothing here judges a figure: performance is what the full run reports."""
+printed; ``bench/instructions.py`` counts every in-process row. Nothing here
+judges a figure against a target: performance is what the full runs report."""
 
 from __future__ import annotations
 
@@ -59,3 +60,26 @@ def test_quick_run_measures_every_stack() -> None:
     for case in ("in-process decision (bench/decision.py)", "access log: one entry in-process (bench/decision.py)"):
         row = next(r for r in rows if r[0] == case)
         assert re.fullmatch(r"[0-9.,]+ µs/(req|entry)", row[3]), row
+
+
+@pytest.mark.integration
+def test_instruction_counts_cover_every_in_process_row() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "instructions.py"), "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = {}
+    for line in done.stdout.splitlines()[2:]:
+        found = re.fullmatch(r"(.+?)\s+([0-9,]+)\s*([0-9.]*)", line)
+        assert found, line
+        counts[found[1]] = int(found[2].replace(",", ""))
+    decision = counts["decision: parse, gate, experiment, select, rewrite"]
+    router = counts["ext_proc handler, 2 messages with protobuf (model-router)"]
+    floor = counts["ext_proc handler, 2 messages (the contract's own work, no decision)"]
+    trivial = counts["ext_proc handler, 2 messages (trivial processor)"]
+    entry = counts["access-log entry, usage records off (the default)"]
+    records = counts["access-log entry, usage records written"]
+    # Each row counted its own operations: a handler that runs the decision
+    # does more than one that does not, and a record written costs something.
+    assert 0 < trivial < floor < router, counts
+    assert 0 < decision < router - floor, counts
+    assert 0 < entry < records, counts

@@ -1,5 +1,5 @@
 """Server binaries the tests start (Redis, Prometheus, llama.cpp's
-``llama-server``; nginx and wrk for the benchmark harness), the tools they run
+``llama-server``; nginx, wrk and valgrind for the benchmark harness), the tools they run
 (docker-compose renders the compose file without a daemon; node runs the
 upstream CRD schemas of tests/crd), and their installer.
 
@@ -27,7 +27,8 @@ from sidecar.devstack.stack import free_port
 # binary -> the Debian package that ships it (cmake and the compilers build llama-server)
 BINARIES = {"redis-server": "redis-server", "prometheus": "prometheus", "promtool": "prometheus",
             "docker-compose": "docker-compose", "node": "nodejs", "npm": "npm", "nginx": "nginx-light", "wrk": "wrk",
-            "cmake": "cmake", "c++": "build-essential", "cc": "build-essential", "make": "build-essential"}
+            "cmake": "cmake", "c++": "build-essential", "cc": "build-essential", "make": "build-essential",
+            "valgrind": "valgrind", "callgrind_control": "valgrind"}
 # The upstream CRD schemas (npm packages, pinned by tests/crd/package-lock.json)
 # that tests/integration/test_crd_schemas.py validates the generated custom resources against.
 CRD_SCHEMAS = Path(__file__).resolve().parents[1] / "crd"
