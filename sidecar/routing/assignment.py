@@ -61,6 +61,7 @@ _INF = math.inf
 _NAN = math.nan
 _TWO_POW_53 = 9007199254740992.0  # 2.0**53, exact
 PICKED_LIMIT = 16_384  # callers whose winner one Race remembers before starting over
+CALLERS_LIMIT = 16_384  # (experiment, sticky value) pairs whose un-windowed key is remembered
 _MAX_WEIGHT = 1 << 53  # weights must be exactly representable as binary64
 _MAX_U64 = 1 << 64
 
@@ -96,6 +97,13 @@ def salt_prefix(experiment: str) -> bytes:
 
 
 _cached_prefix = lru_cache(maxsize=4096)(salt_prefix)
+
+
+@lru_cache(maxsize=CALLERS_LIMIT)
+def _caller0(prefix: bytes, sticky_value: str) -> bytes:
+    """``SHA-256(prefix || sticky_value)``: the caller's key before any TTL
+    window (remembered: a returning caller costs a lookup, not a hash)."""
+    return _sha256(prefix + sticky_value.encode("utf-8")).digest()
 
 
 def _check_ttl(ttl_seconds: object) -> int:
@@ -179,7 +187,7 @@ class Race:
     def caller_key(
         prefix: bytes, sticky_value: str, ttl_seconds: int | None, unix_time: float | None
     ) -> tuple[bytes, int | None]:
-        caller = _sha256(prefix + sticky_value.encode("utf-8")).digest()
+        caller = _caller0(prefix, sticky_value)
         if ttl_seconds is None:
             return caller, None
         ttl = _check_ttl(ttl_seconds)
@@ -338,6 +346,6 @@ def assign(
 def next_boundary(experiment: str, sticky_value: str, ttl_seconds: int, unix_time: float) -> float:
     """Unix time at which this caller's current TTL window ends (the next window starts)."""
     ttl = _check_ttl(ttl_seconds)
-    caller0 = _sha256(_cached_prefix(experiment) + sticky_value.encode("utf-8")).digest()
+    caller0 = _caller0(_cached_prefix(experiment), sticky_value)
     offset, window = _window(caller0, ttl, unix_time)
     return float((window + 1) * ttl - offset)

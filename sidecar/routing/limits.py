@@ -49,11 +49,11 @@ def estimate(body: bytes, data: Mapping[str, Any] | None) -> tuple[int, int]:
     if data is not None:
         for name in _OUTPUT_CAPS:
             v = data.get(name)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            if type(v) is int and v > 0:  # (not a bool, nor another subclass)
                 cap = v
                 break
         n = data.get("n")
-        if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= _MAX_CHOICES:
+        if type(n) is int and 1 <= n <= _MAX_CHOICES:
             choices = n
     return prompt, min(cap * choices, MAX_OUTPUT_ESTIMATE)
 
