@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..decision import Decision, Fields, Retry, encode
 from .attempts import Hop, composite_cluster
+from .memo import PerSnapshot
 from .snapshot import BackendInfo, Snapshot
 
 if TYPE_CHECKING:
@@ -186,9 +187,17 @@ def credentials(backend: BackendInfo) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {backend.api_key}"),)
 
 
-def upstream_auth(snap: Snapshot, backend: BackendInfo) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+Auth = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]  # (headers to set, headers to remove)
+_auth: PerSnapshot[Auth] = PerSnapshot()
+
+
+def upstream_auth(snap: Snapshot, backend: BackendInfo) -> Auth:
     """Credentials toward the backend (a router key never travels upstream),
-    and the client's address removed where it must not go."""
+    and the client's address removed where it must not go (once per snapshot and backend)."""
+    return _auth.get(snap, backend.name, lambda: _upstream_auth(snap, backend))
+
+
+def _upstream_auth(snap: Snapshot, backend: BackendInfo) -> Auth:
     forward = backend.config.forward_client_address
     hidden = CLIENT_ADDRESS_HEADERS if not (backend.tls is False if forward is None else forward) else ()
     sent = credentials(backend)

@@ -31,10 +31,10 @@ def encodings(obj):
 
 
 @settings(max_examples=budget(300), deadline=None)
-@given(objects, text, st.booleans())
-def test_set_top_level_changes_only_the_named_keys(obj, model, present):
+@given(objects, text, st.booleans(), text)
+def test_set_top_level_changes_only_the_named_keys(obj, model, present, original):
     if present:
-        obj = dict(obj, model="original")
+        obj = dict(obj, model=original)
     else:
         obj.pop("model", None)
     for raw in encodings(obj):
@@ -65,6 +65,18 @@ def test_duplicate_and_escaped_keys_are_encoded_again_as_the_engine_reads_them()
         out = set_top_level(raw, {"model": "z"}, parsed)
         assert json.loads(out) == {**parsed, "model": "z"}
         assert out.count(b'"model":"z"') == 1
+
+
+def test_a_value_spelled_otherwise_than_its_canonical_encoding_is_found_where_it_is():
+    """The usual edit looks for the old value's canonical encoding right after
+    the key's ':'. Written otherwise (an escaped '/', an escaped letter past
+    ASCII), that encoding can stand elsewhere in the body, as another value;
+    the edit must still land on the model's own value."""
+    for raw in (b'{"model" : "a\\/b", "other": "a/b"}', b'{"model":"caf\\u00e9","other":"caf\xc3\xa9"}'):
+        parsed = orjson.loads(raw)
+        out = set_top_level(raw, {"model": "z"}, parsed)
+        assert orjson.loads(out) == {**parsed, "model": "z"}
+        assert out.endswith(raw[raw.index(b","):]), out  # the other member, byte for byte
 
 
 def test_insert_into_empty_object():
