@@ -62,6 +62,7 @@ _NAN = math.nan
 _TWO_POW_53 = 9007199254740992.0  # 2.0**53, exact
 PICKED_LIMIT = 16_384  # callers whose winner one Race remembers before starting over
 CALLERS_LIMIT = 16_384  # (experiment, sticky value) pairs whose un-windowed key is remembered
+REMEMBERED_STICKY = 256  # the longest sticky value remembered: the memory stays bounded in bytes too
 _MAX_WEIGHT = 1 << 53  # weights must be exactly representable as binary64
 _MAX_U64 = 1 << 64
 
@@ -99,11 +100,20 @@ def salt_prefix(experiment: str) -> bytes:
 _cached_prefix = lru_cache(maxsize=4096)(salt_prefix)
 
 
-@lru_cache(maxsize=CALLERS_LIMIT)
+def _hashed(prefix: bytes, sticky_value: str) -> bytes:
+    return _sha256(prefix + sticky_value.encode("utf-8")).digest()
+
+
+_remembered = lru_cache(maxsize=CALLERS_LIMIT)(_hashed)
+
+
 def _caller0(prefix: bytes, sticky_value: str) -> bytes:
     """``SHA-256(prefix || sticky_value)``: the caller's key before any TTL
-    window (remembered: a returning caller costs a lookup, not a hash)."""
-    return _sha256(prefix + sticky_value.encode("utf-8")).digest()
+    window. A returning caller costs a lookup, not a hash; a sticky value is a
+    client's to choose, so only short ones are remembered."""
+    if len(sticky_value) > REMEMBERED_STICKY:
+        return _hashed(prefix, sticky_value)
+    return _remembered(prefix, sticky_value)
 
 
 def _check_ttl(ttl_seconds: object) -> int:

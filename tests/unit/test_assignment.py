@@ -573,3 +573,22 @@ def test_api_shapes_and_defaults():
         assert assign("e", variants, c).variant_id == assign("e", scaled, c).variant_id
     # sticky values are used verbatim (no trimming)
     assert caller_key("e", " user-1", None, 0) != caller_key("e", "user-1", None, 0)
+
+
+def test_callers_are_remembered_within_a_bound_of_entries_and_bytes():
+    """A sticky value is the client's to choose (a header, a user field): the
+    keys remembered for returning callers are capped in number, and a long
+    value is hashed every time rather than kept."""
+    from sidecar.routing import assignment as a
+
+    prefix = a.salt_prefix("bound")
+    a._remembered.cache_clear()
+    short = "u" * a.REMEMBERED_STICKY
+    assert a._caller0(prefix, short) == hashlib.sha256(prefix + short.encode()).digest()
+    assert a._remembered.cache_info().currsize == 1
+    long = "u" * (a.REMEMBERED_STICKY + 1)
+    assert a._caller0(prefix, long) == hashlib.sha256(prefix + long.encode()).digest()
+    assert a._remembered.cache_info().currsize == 1
+    for i in range(a.CALLERS_LIMIT + 10):
+        a._caller0(prefix, f"caller-{i}")
+    assert a._remembered.cache_info().currsize == a.CALLERS_LIMIT
