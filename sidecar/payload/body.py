@@ -147,30 +147,6 @@ def _needle(key: str) -> bytes:
     return found
 
 
-def _replace_string(body: bytes, values: dict[str, object], parsed: dict[str, Any]) -> bytes | None:
-    """The usual edit in native searches only: one present key, spelled once
-    and without escapes, whose value is a short string the client wrote in its
-    canonical encoding. None when it is not that.
-
-    A JSON string token ends at its first unescaped quote, so the token after
-    the key's ``:`` that starts with the old value's canonical encoding is
-    exactly that encoding."""
-    ((key, value),) = values.items()
-    old = parsed.get(key)
-    if type(old) is not str or len(old) > _SHORT_STRING or _KEY_ESCAPE.search(body):
-        return None
-    needle = _needle(key)
-    at = body.find(needle)
-    if at < 0 or body.find(needle, at + 1) >= 0:
-        return None
-    colon = body.find(b":", at + len(needle))  # only whitespace between a key and its ':'
-    encoded = orjson.dumps(old)
-    start = body.find(encoded, colon)
-    if start < 0 or body[colon + 1:start].strip(WS):
-        return None
-    return body[:start] + orjson.dumps(value) + body[start + len(encoded):]
-
-
 def set_top_level(body: bytes, values: dict[str, object], parsed: dict[str, Any] | None = None) -> bytes:
     """Set top-level keys of a JSON object body.
 
@@ -184,8 +160,6 @@ def set_top_level(body: bytes, values: dict[str, object], parsed: dict[str, Any]
     that also carries an integer past 64 bits, which encoding would round).
     """
     data = parsed if parsed is not None else parse_json(body)
-    if len(values) == 1 and (replaced := _replace_string(body, values, data)) is not None:
-        return replaced
     found = _literal_spans(body, values, data)
     if found is not None:
         if len(found) == len(values) == 1:  # the usual edit: one present key, its value replaced in place
