@@ -94,11 +94,11 @@ def _n(number: int) -> int:
     return max(int(number * SCALE), 10)
 
 
-def handler_us(servicer, n: int = 5_000) -> float:
-    """µs per request through an ext_proc servicer's ``Process``: both messages decoded,
-    answered and the answers encoded, as grpc.aio would (without the transport)."""
+def handler_batch(servicer):
+    """``batch(n)``: n requests through an ext_proc servicer's ``Process``, one
+    after another: both messages decoded, answered and the answers encoded, as
+    grpc.aio would (without the transport)."""
     wire = [processing_requests(i) for i in range(1000)]
-    n = _n(n)
 
     async def one(msgs: list[bytes]) -> None:
         async def incoming():
@@ -110,18 +110,46 @@ def handler_us(servicer, n: int = 5_000) -> float:
             resp.SerializeToString()
         await messages.aclose()  # a servicer may return before reading to the end, as grpc.aio allows
 
-    async def batch() -> float:
-        t = time.process_time()
+    async def batch(n: int) -> None:
         for i in range(n):
             await one(wire[i % len(wire)])
+
+    return batch
+
+
+def handler_us(servicer, n: int = 5_000) -> float:
+    """µs per request through :func:`handler_batch`."""
+    batch = handler_batch(servicer)
+    n = _n(n)
+
+    async def timed() -> float:
+        t = time.process_time()
+        await batch(n)
         return time.process_time() - t
 
     loop = asyncio.new_event_loop()
     try:
-        loop.run_until_complete(batch())  # warm-up
-        return min(loop.run_until_complete(batch()) for _ in range(5)) / n * 1e6
+        loop.run_until_complete(timed())  # warm-up
+        return min(loop.run_until_complete(timed()) for _ in range(5)) / n * 1e6
     finally:
         loop.close()
+
+
+def decision_call():
+    """The bench's request decided by ``routing.decide`` (the caller authenticated once)."""
+    snap = snapshot.build(parse(CONFIG % KEYS, env={}).config)
+    headers = {":path": "/v1/chat/completions", "authorization": "Bearer sk-0042", "content-type": "application/json"}
+    caller = authenticate(snap, headers, "openai")
+    ingress, now = lookup("/v1/chat/completions"), time.time()
+    return lambda: decide(snap, Request(ingress, "/v1/chat/completions", headers, BODY, caller, now, 1, 0.5))
+
+
+def bench_runtime(directory: str, usage_records: bool = True) -> Runtime:
+    """The server's own Runtime over the bench's config (written into ``directory``)."""
+    path = os.path.join(directory, "config.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(CONFIG % KEYS)
+    return Runtime(path, usage_records=os.path.join(directory, "usage.jsonl") if usage_records else None)
 
 
 class ContractFloor:
@@ -287,7 +315,6 @@ def main() -> None:
     snap = snapshot.build(parse(CONFIG % KEYS, env={}).config)
     ingress = lookup("/v1/chat/completions")
     headers = {":path": "/v1/chat/completions", "authorization": "Bearer sk-0042", "content-type": "application/json"}
-    caller = authenticate(snap, headers, "openai")
     now = time.time()
     counter = iter(range(10**9))
 
@@ -297,8 +324,7 @@ def main() -> None:
 
     rows = [
         ("key gate (1,000 keys)", per_call_us(lambda: authenticate(snap, headers, "openai"), 200_000)),
-        ("decision: parse, gate, experiment, select, rewrite", per_call_us(
-            lambda: decide(snap, Request(ingress, "/v1/chat/completions", headers, BODY, caller, now, 1, 0.5)), 50_000)),
+        ("decision: parse, gate, experiment, select, rewrite", per_call_us(decision_call(), 50_000)),
         ("request path total (gate + decision)", per_call_us(full, 50_000)),
         ("JSON response rewrite + usage", per_call_us(lambda: rewrite_json_body(RESPONSE, "chat", "openai"), 50_000)),
     ]
@@ -310,10 +336,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         # The server's own Runtime and accounting, so the handler and the
         # access log meet what they meet in production.
-        path = os.path.join(d, "config.yaml")
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(CONFIG % KEYS)
-        runtime = Runtime(path, usage_records=os.path.join(d, "usage.jsonl"))
+        runtime = bench_runtime(d)
         meter = meter_of(runtime, srm.Tracker(lambda: runtime.snapshot.config))
         raw = access_log_batch(routed_decisions(runtime))
         rows.append((f"access-log entry (decode in a batch of {ALS_BATCH}, metrics, usage record, observers)",

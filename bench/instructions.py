@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,59 +33,27 @@ Run = Callable[[int], object]  # runs its operation n times
 def _decision() -> Run:
     import decision as bench
 
-    from sidecar.config.schema import parse
-    from sidecar.routing import Request, authenticate, decide, snapshot
-    from sidecar.routing.ingress import lookup
-
-    snap = snapshot.build(parse(bench.CONFIG % bench.KEYS, env={}).config)
-    ingress = lookup("/v1/chat/completions")
-    headers = {":path": "/v1/chat/completions", "authorization": "Bearer sk-0042", "content-type": "application/json"}
-    caller = authenticate(snap, headers, "openai")
-    now = time.time()
-    return _repeat(lambda: decide(snap, Request(ingress, "/v1/chat/completions", headers, bench.BODY, caller, now, 1,
-                                                 0.5)))
+    return _repeat(bench.decision_call())
 
 
 def _runtime(usage: bool):  # type: ignore[no-untyped-def]
     import decision as bench
 
-    from sidecar.serve.runtime import Runtime
-
-    d = tempfile.mkdtemp()
-    path = os.path.join(d, "config.yaml")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(bench.CONFIG % bench.KEYS)
-    return Runtime(path, usage_records=os.path.join(d, "usage.jsonl") if usage else None)
+    return bench.bench_runtime(tempfile.mkdtemp(), usage_records=usage)
 
 
 def _handler(which: str) -> Run:
     """Requests (both messages each) through a servicer's ``Process``, one
     after another on one event loop, as ``bench/decision.py`` drives them."""
     import decision as bench
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from minimal_extproc import MinimalProcessor
 
     from sidecar.handlers.extproc import Processor
 
     servicer = {"router": lambda: Processor(_runtime(usage=False)), "floor": bench.ContractFloor,
                 "trivial": lambda: MinimalProcessor("pool-a", "llama-3.1-8b")}[which]()
-    wire = [bench.processing_requests(i) for i in range(1000)]
+    batch = bench.handler_batch(servicer)
     loop = asyncio.new_event_loop()
-
-    async def one(msgs: list[bytes]) -> None:
-        async def incoming():  # type: ignore[no-untyped-def]
-            for m in msgs:
-                yield pb.ProcessingRequest.FromString(m)
-
-        messages = incoming()
-        async for resp in servicer.Process(messages, None):
-            resp.SerializeToString()
-        await messages.aclose()
-
-    async def batch(n: int) -> None:
-        for i in range(n):
-            await one(wire[i % len(wire)])
-
     return lambda n: loop.run_until_complete(batch(n))
 
 
