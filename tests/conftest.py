@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -116,6 +117,23 @@ def demo_requests(stack: Stack, backend: str) -> list[dict]:
 def clear_demo_requests(stack: Stack) -> None:
     for url in stack.demo_urls.values():
         httpx.delete(url + "/_demo/requests")
+
+
+def routed_again(stack: Stack, timeout: float = 30.0) -> httpx.Response:
+    """The first chat request answered 200 after a sidecar restart.
+
+    Envoy's admin page (which ``Stack.start_sidecar`` reads) reports the
+    sidecar healthy as soon as the main thread has the verdict; each worker
+    thread takes it in a moment later, and a request landing on one that has
+    not yet is refused with 503. Any other status fails at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "chat", "messages": []})
+        if r.status_code != 503:
+            assert r.status_code == 200, (r.status_code, r.text)
+            return r
+        assert time.monotonic() < deadline, f"no request routed after the restart: {r.text}"
+        time.sleep(0.05)
 
 
 def envoy_stat(stack: Stack, name: str, exact: bool = False) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.routing.assignment import assign
 
-from ..conftest import clear_demo_requests, demo_requests, metered, metric, sidecar_metric, wait_metric
+from ..conftest import clear_demo_requests, demo_requests, metered, metric, routed_again, sidecar_metric, wait_metric
 
 pytestmark = pytest.mark.integration
 
@@ -96,12 +96,7 @@ def test_every_caller_keeps_its_arm_across_replicas_and_restart(stack, first_arm
                for text in stack.metrics_text())
     stack.stop_sidecar()
     stack.start_sidecar()
-    # Envoy may still try a connection to the stopped processes once (and fail
-    # closed): the restart is done when a request is routed again.
-    deadline = time.monotonic() + 30
-    while stack.http.post("/v1/chat/completions", json={"model": "chat", "messages": []}).status_code != 200:
-        assert time.monotonic() < deadline, "no request routed after the restart"
-        time.sleep(0.05)
+    routed_again(stack)
     assert arms(stack, sample) == {k: first_arms[k] for k in sample}
 
 
