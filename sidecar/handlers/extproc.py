@@ -31,7 +31,7 @@ from ..payload import response_ids
 from ..stores.cache import ResponseCache
 from .answer_parts import NOTHING_MORE, immediate
 from .hop_stream import HopStream, is_hop
-from .request_stream import RequestHandler, RequestState, longest_wait
+from .request_stream import Interim, RequestHandler, RequestState, longest_wait
 from .response_stream import (
     ResponseStream,
     Rewrite,
@@ -111,15 +111,17 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(self, request_iterator: AsyncIterable[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         """One ext_proc stream. Its first message says which of four kinds it is,
-        and one handler serves it to the end: a client's request (the decision),
-        a fallback hop's attempt, a shadow copy, or an upstream response to
-        rewrite."""
+        and one handler serves it to the end: a client's request (the decision,
+        answered here: each async generator a message passes through costs
+        about as much as the trivial processor's whole answer), a fallback
+        hop's attempt, a shadow copy, or an upstream response to rewrite."""
         messages = request_iterator.__aiter__()
         self.in_flight += 1
         try:
             first = await _next(messages, None)
             if first is None:
                 return
+            stream = None
             if first.WhichOneof("request") != "request_headers":
                 stream = self._response(first, messages)
             elif is_hop(first):  # a fallback attempt on a hop's cluster
@@ -128,40 +130,36 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
                 st = RequestState()  # the request headers, read once for both questions
                 if is_shadow(st.read(first.request_headers)):  # a shadow copy on its arm's cluster
                     stream = self._copy(first, messages, context)
-                else:
-                    stream = self._request(first, messages, st, context)
-            async for answer in stream:
+            if stream is not None:
+                async for answer in stream:
+                    yield answer
+                return
+            # A client's request: the decision at its headers, or at its body.
+            if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
+                yield self.requests.shed(first.request_headers)
+                return
+            self.runtime.count_request()
+            resp = await self.requests.headers(st, first.request_headers)
+            yield resp
+            if resp.mode_override.request_body_mode != pm.ProcessingMode.BUFFERED:
+                return  # the last answer Envoy needs: end the stream from our side
+            while (req := await _next(messages, None)) is not None:
+                if req.WhichOneof("request") != "request_body":
+                    yield _unasked(req)  # (trailers: Envoy goes on)
+                    continue
+                waits = partial(longest_wait, context)  # (read only for a held refusal)
+                answer = await self.requests.body(st, req.request_body.body, waits)  # one read: each copies the body
+                if isinstance(answer, Interim):
+                    yield answer.now
+                    answer = await answer.then()
                 yield answer
+                return
         except Exception:
             metrics.STREAM_ERRORS.inc()
             log.exception("ext_proc stream failed")
             raise
         finally:
             self.in_flight -= 1
-
-    async def _request(self, first: pb.ProcessingRequest, messages: AsyncIterator[pb.ProcessingRequest],
-                       st: RequestState, context: Any) -> AsyncIterator[pb.ProcessingResponse]:
-        """A client's request (its headers read into ``st``): the decision at
-        its headers, or at its body."""
-        if self.in_flight > self.runtime.snapshot.config.server.max_in_flight:
-            yield self.requests.shed(first.request_headers)
-            return
-        self.runtime.count_request()
-        resp = await self.requests.headers(st, first.request_headers)
-        yield resp
-        if resp.mode_override.request_body_mode != pm.ProcessingMode.BUFFERED:
-            return  # the last answer Envoy needs: end the stream from our side
-        while (req := await _next(messages, None)) is not None:
-            kind = req.WhichOneof("request")
-            if kind == "request_trailers":
-                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-            elif kind == "request_body":
-                waits = partial(longest_wait, context)  # (read only for a held refusal)
-                async for answer in self.requests.body(st, req.request_body.body, waits):  # one read: each copies the body
-                    yield answer
-                return
-            else:
-                yield _unasked(req)
 
     async def _hop(self, first: pb.ProcessingRequest,
                    messages: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:

@@ -9,8 +9,8 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, cast
 
@@ -142,6 +142,15 @@ def _more_time(seconds: float) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(seconds) + 5))
 
 
+@dataclass(frozen=True, slots=True)
+class Interim:
+    """An answer to send at once (Envoy is asked to wait longer) and the
+    call that makes the final one: the stream sends ``now``, then awaits ``then()``."""
+
+    now: pb.ProcessingResponse
+    then: Callable[[], Awaitable[pb.ProcessingResponse]]
+
+
 # A route's header mutation: (set on every request of the route, removed, this request's own).
 _Headers = tuple[tuple[tuple[str, str], ...], tuple[str, ...], list[tuple[str, str]]]
 
@@ -167,38 +176,40 @@ class RequestHandler:
         return self._sent_on(st, await self._shared_budgets(st, self._request_headers(st, msg)))
 
     async def body(self, st: RequestState, body: bytes,
-                   waits: Callable[[], float | None] = lambda: None) -> AsyncIterator[pb.ProcessingResponse]:
-        """The answers to the body: the decision (an ``:online`` request first
-        gets a longer message timeout). ``waits``: how long Envoy waits for
-        one answer when asked (:func:`longest_wait`), read only when needed."""
+                   waits: Callable[[], float | None] = lambda: None) -> pb.ProcessingResponse | Interim:
+        """The answer to the body: the decision; an ``:online`` request, or one
+        held before its refusal, first gets a longer message timeout (an
+        :class:`Interim`). ``waits``: how long Envoy waits for one answer when
+        asked (:func:`longest_wait`), read only when needed."""
         arrived = time.monotonic()
         excess = await self.json_budget.excess(body)
         if excess is not None:
             # Held before it is answered (payload/json_budget.py): as long as
             # Envoy can be asked to wait, else within its message timeout.
             if (waits() or 0) > HOLD_PATIENCE_S:
-                yield _more_time(HOLD_PATIENCE_S)
-                patience = HOLD_PATIENCE_S
-            else:
-                patience = st.snap.config.server.message_timeout_ms / 2000 - (time.monotonic() - arrived)
-            if patience > 0:
-                await self.json_budget.hold(len(body), patience)
-            yield self._refuse(self._too_complex(st, excess), st)
-            return
+                return Interim(_more_time(HOLD_PATIENCE_S), partial(self._held, st, body, excess, HOLD_PATIENCE_S))
+            patience = st.snap.config.server.message_timeout_ms / 2000 - (time.monotonic() - arrived)
+            return await self._held(st, body, excess, patience)
         if st.ingress is None and not st.passthrough and is_feedback(st.path):
-            yield await self._feedback(st, body)
-            return
+            return await self._feedback(st, body)
         resp = self._request_body(st, body)
         plan = st.route.plan if st.route is not None else None
         if plan is not None and plan.suffix == "online":
             # The sidecar answers this one itself; keep Envoy waiting for it.
             search = st.snap.config.web_search
             assert search is not None  # :online is served only with a search provider
-            yield _more_time(search.deadline_s)
-            resp = await self._online(st, body)
-        elif plan is not None and plan.cache is not None and plan.cache.read:
+            return Interim(_more_time(search.deadline_s), partial(self._searched, st, body))
+        if plan is not None and plan.cache is not None and plan.cache.read:
             resp = await self._from_cache(st) or resp
-        yield self._sent_on(st, await self._shared_budgets(st, resp))
+        return self._sent_on(st, await self._shared_budgets(st, resp))
+
+    async def _held(self, st: RequestState, body: bytes, excess: str, patience: float) -> pb.ProcessingResponse:
+        if patience > 0:
+            await self.json_budget.hold(len(body), patience)
+        return self._refuse(self._too_complex(st, excess), st)
+
+    async def _searched(self, st: RequestState, body: bytes) -> pb.ProcessingResponse:
+        return self._sent_on(st, await self._shared_budgets(st, await self._online(st, body)))
 
     @staticmethod
     def _sent_on(st: RequestState, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
