@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from sidecar.devstack.stack import Stack
-from tests.conftest import sidecar_metric, write_config
+from tests.conftest import routed_again, sidecar_metric, write_config
 
 BASE = """
 server: {{workers: {workers}, max_requests_per_worker: {recycle}, max_in_flight: {in_flight}}}
@@ -246,6 +246,7 @@ def test_without_a_supervisor_a_due_process_leaves_drains_and_exits_0(tmp_path):
         assert any("sidecar-0 exited (code 0)" in line for line in said), said
         assert stack._procs["sidecar-0"].popen.pid != first.pid and any("and ready" in line for line in said), said
         stack.wait_envoy_sees_sidecars(stack.sidecar_grpc, time.monotonic() + 30)
+        routed_again(stack)
         with httpx.Client(base_url=stack.url, timeout=30) as http:
             assert Load._one(http, "caller-after", stream=True) == "ok"
     finally:
