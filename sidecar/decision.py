@@ -17,6 +17,7 @@ below.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, cast
@@ -45,6 +46,7 @@ X_FALLBACK_MODEL = "x_fallback_model"
 X_EXPLAIN = "x_explain"
 X_CACHE = "x_cache"
 X_REQUEST_ID = "x_request_id"
+SHAPE = "shape"  # a routed answer's shape (``shape_of``); "" on every other write of the namespace
 
 BUDGET_SEPARATOR = "\n"  # between rule ids in ``budgets`` (no model name has a control character)
 
@@ -233,6 +235,27 @@ PER_REQUEST = frozenset((
     "not_found", "response_id",
 ))
 EMPTY = Decision()
+# The shape names a routed answer's keys other than the request's own: a digest
+# of them, tagged with the PER_REQUEST set that split them (a reader whose set
+# differs, another release's, reads such a decision whole).
+_TAG = hashlib.blake2b(",".join(sorted(PER_REQUEST)).encode(), digest_size=3).hexdigest()
+SHAPES = 4096  # shapes a reader keeps before starting over
+
+
+def unshaped(d: Decision) -> dict[str, Any]:
+    """The metadata of every write but a routed answer's: ``d`` encoded, and
+    an empty ``shape``. Envoy merges a write into the namespace's keys already
+    there, so a shape an earlier answer named no longer describes them."""
+    out = d.encode()
+    out[SHAPE] = ""
+    return out
+
+
+def shape_of(md: Mapping[str, Any]) -> str:
+    """The ``shape`` of a routed answer whose metadata, without the request's
+    own keys (PER_REQUEST), is ``md`` (in wire types)."""
+    digest = hashlib.blake2b(orjson.dumps(md, option=orjson.OPT_SORT_KEYS), digest_size=8).hexdigest()
+    return f"{digest}.{_TAG}"
 
 
 def encode(fields: Fields) -> dict[str, Any]:
@@ -382,35 +405,71 @@ def _from_struct(struct: struct_pb2.Struct) -> Decision:
     return _EVERY_KEY(struct)
 
 
-def reader(keys: Iterable[str]) -> Callable[[struct_pb2.Struct], Decision]:
-    """A decoder of a namespace's ``Struct`` that reads only ``keys`` (the rest
-    read as unset), for a reader that uses only those: each value read from a
-    ``Struct`` builds a wrapper object. Build it once, not per decision."""
-    wanted = frozenset(keys)
-    strings, bools = _STRING_KEYS & wanted, _BOOL_KEYS & wanted
-    decoders = {k: dec for k, dec in _DECODE.items() if k in wanted}
+class Reader:
+    """Decodes a namespace's ``Struct``, reading only the keys it was built
+    with (the rest read as unset), for a reader that uses only those: each
+    value read from a ``Struct`` builds a wrapper object. Build one per set
+    of keys, not per decision.
 
-    def decode(struct: struct_pb2.Struct) -> Decision:
-        out: dict[str, Any] = {}
+    A routed answer names its ``shape``: a reader reads a shape's keys the
+    first time it meets it, and after that only the request's own
+    (PER_REQUEST). A ``Struct`` with keys its shape does not account for (a
+    write that left the shape in place) is read whole, and so is one whose
+    shape was cut by another PER_REQUEST set."""
+
+    __slots__ = ("bools", "decoders", "shapes", "strings")
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        wanted = frozenset(keys)
+        self.strings, self.bools = _STRING_KEYS & wanted, _BOOL_KEYS & wanted
+        self.decoders = {k: dec for k, dec in _DECODE.items() if k in wanted}
+        # shape: the values of its keys that are wanted, and how many keys it has
+        self.shapes: dict[str, tuple[dict[str, Any], int]] = {}
+
+    def __call__(self, struct: struct_pb2.Struct) -> Decision:
         fields_ = struct.fields
+        if SHAPE not in fields_ or not (shape := fields_[SHAPE].string_value):
+            return _made(self._whole(fields_))
+        known = self.shapes.get(shape)
+        if known is None:
+            out = self._whole(fields_)
+            if shape.endswith(_TAG):
+                if len(self.shapes) >= SHAPES:
+                    self.shapes.clear()
+                size = sum(1 for k in fields_ if k not in PER_REQUEST)
+                self.shapes[shape] = ({k: v for k, v in out.items() if k not in PER_REQUEST}, size)
+            return _made(out)
+        out = known[0].copy()
+        size = known[1]
+        for k in _OWN:
+            if k in fields_:
+                size += 1
+                self._read(k, fields_, out)
+        return _made(out) if size == len(fields_) else _made(self._whole(fields_))
+
+    def _whole(self, fields_: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for k in fields_:  # (items() goes through the Mapping mixin, in Python)
-            if k in strings:
-                v = fields_[k]
-                text = v.string_value  # "" also when the value is not a string: then ask which it is
-                if text or v.WhichOneof("kind") == "string_value":
-                    out[k] = text
-            elif k in bools:
-                v = fields_[k]
-                if v.WhichOneof("kind") == "bool_value":
-                    out[k] = v.bool_value
-            elif (dec := decoders.get(k)) is not None:
-                v = fields_[k]
-                if (which := v.WhichOneof("kind")) in _SCALARS and (typed := dec(getattr(v, which))) is not None:
-                    out[k] = typed
-        return _made(out)
+            self._read(k, fields_, out)
+        return out
 
-    return decode
+    def _read(self, k: str, fields_: Any, out: dict[str, Any]) -> None:
+        """Key ``k`` into ``out``, if wanted and of its type."""
+        if k in self.strings:
+            v = fields_[k]
+            text = v.string_value  # "" also when the value is not a string: then ask which it is
+            if text or v.WhichOneof("kind") == "string_value":
+                out[k] = text
+        elif k in self.bools:
+            v = fields_[k]
+            if v.WhichOneof("kind") == "bool_value":
+                out[k] = v.bool_value
+        elif (dec := self.decoders.get(k)) is not None:
+            v = fields_[k]
+            if (which := v.WhichOneof("kind")) in _SCALARS and (typed := dec(getattr(v, which))) is not None:
+                out[k] = typed
 
 
+_OWN = tuple(sorted(PER_REQUEST))
 _SCALARS = frozenset(("string_value", "bool_value", "number_value"))
-_EVERY_KEY = reader(KEYS)
+_EVERY_KEY = Reader(KEYS)

@@ -9,12 +9,12 @@ the client's trace headers only when something asks for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..contract import NAMESPACE, USAGE_NAMESPACE
-from ..decision import EMPTY, KEYS, Decision, reader
+from ..decision import EMPTY, KEYS, Decision, Reader
 
 
 class Reads:
@@ -27,7 +27,7 @@ class Reads:
     def __init__(self, keys: Iterable[str], trace_headers: bool = False) -> None:
         self.keys = frozenset(keys)
         self.trace_headers = trace_headers
-        self.decode: Callable[[Any], Decision] = reader(self.keys)
+        self.decode = Reader(self.keys)
 
     def __or__(self, other: Reads) -> Reads:
         if other.keys <= self.keys and other.trace_headers <= self.trace_headers:

@@ -108,7 +108,8 @@ def _skeleton(phase: str, mode: Any, namespace: str, md: Mapping[str, Any], shar
         resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), mode_override=mode)
     else:
         resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
-    resp.dynamic_metadata.update({namespace: dict(md)})
+    # The shape names these keys, so a reader of many such answers reads them once.
+    resp.dynamic_metadata.update({namespace: {**md, decision.SHAPE: decision.shape_of(md)}})
     return resp
 
 
@@ -140,7 +141,7 @@ def immediate(reply: Reply, meta: Decision = EMPTY, usage: struct_pb2.Struct | N
             body=reply.body,
             details=f"model_router_{reply.status}",
         ),
-        dynamic_metadata=_struct({NAMESPACE: md.encode()}),
+        dynamic_metadata=_struct({NAMESPACE: decision.unshaped(md)}),
     )
     if usage is not None:
         resp.dynamic_metadata.MergeFrom(usage)

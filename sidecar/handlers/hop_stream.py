@@ -20,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from .. import metrics
 from ..contract import ATTEMPT_HEADER as ATTEMPT_HEADER
-from ..decision import Decision
+from ..decision import Decision, unshaped
 from ..routing.retarget import retarget
 from ..routing.snapshot import Snapshot
 from .response_stream import NAMESPACE, header_map
@@ -70,7 +70,7 @@ class HopStream:
         )
         common.body_mutation.body = hop.body
         md = struct_pb2.Struct()
-        md.update({NAMESPACE: hop.decision.encode()})
+        md.update({NAMESPACE: unshaped(hop.decision)})
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
 
 

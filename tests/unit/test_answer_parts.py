@@ -7,6 +7,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format
 
+from sidecar import decision as codec
 from sidecar.handlers import answer_parts
 from sidecar.handlers.answer_parts import AnswerParts
 
@@ -29,7 +30,8 @@ def by_hand(phase: str, md: dict, own: list[tuple[str, str]], body: bytes | None
         resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), mode_override=MODE)
     else:
         resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
-    resp.dynamic_metadata.update({"model_router": md})
+    shape = codec.shape_of({k: v for k, v in md.items() if k not in codec.PER_REQUEST})
+    resp.dynamic_metadata.update({"model_router": {**md, "shape": shape}})
     return resp
 
 

@@ -226,7 +226,8 @@ def _answers(snap: Snapshot) -> list[Decision]:
         ("/v1/chat/completions", {}, {"model": "nope", "messages": []}),
     ):
         for d, keys in asyncio.run(run(path, headers, body)):
-            assert keys <= set(KEYS), keys - set(KEYS)  # a key the codec does not know
+            # Every answer names its shape (or none, ""); every other key is the codec's.
+            assert decision.SHAPE in keys and keys - {decision.SHAPE} <= set(KEYS), keys - set(KEYS)
             found.append(d)
     return found
 
