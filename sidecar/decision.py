@@ -417,12 +417,14 @@ class Reader:
     write that left the shape in place) is read whole, and so is one whose
     shape was cut by another PER_REQUEST set."""
 
-    __slots__ = ("bools", "decoders", "shapes", "strings")
+    __slots__ = ("bools", "decoders", "own_others", "own_strings", "shapes", "strings")
 
     def __init__(self, keys: Iterable[str]) -> None:
         wanted = frozenset(keys)
         self.strings, self.bools = _STRING_KEYS & wanted, _BOOL_KEYS & wanted
         self.decoders = {k: dec for k, dec in _DECODE.items() if k in wanted}
+        self.own_strings = tuple(sorted(PER_REQUEST & self.strings))
+        self.own_others = tuple(sorted(PER_REQUEST - self.strings))  # (those not wanted only counted)
         # shape: the values of its keys that are wanted, and how many keys it has
         self.shapes: dict[str, tuple[dict[str, Any], int]] = {}
 
@@ -441,7 +443,14 @@ class Reader:
             return _made(out)
         out = known[0].copy()
         size = known[1]
-        for k in _OWN:
+        for k in self.own_strings:  # (the usual kind, read here rather than through _read)
+            if k in fields_:
+                size += 1
+                v = fields_[k]
+                text = v.string_value
+                if text or v.WhichOneof("kind") == "string_value":
+                    out[k] = text
+        for k in self.own_others:
             if k in fields_:
                 size += 1
                 self._read(k, fields_, out)
@@ -470,6 +479,5 @@ class Reader:
                 out[k] = typed
 
 
-_OWN = tuple(sorted(PER_REQUEST))
 _SCALARS = frozenset(("string_value", "bool_value", "number_value"))
 _EVERY_KEY = Reader(KEYS)
