@@ -232,7 +232,7 @@ KEYS = tuple(f.name for f in fields(Decision))
 # skeleton: still correct, but as slow as building the answer field by field).
 PER_REQUEST = frozenset((
     "request_id", "x_request_id", "key_id", "caller", "x_explain", "cache_key", "span_id", "estimate", "reserved",
-    "not_found", "response_id",
+    "not_found", "response_id", "x_ratelimit_remaining_tokens", "x_ratelimit_reset_tokens",
 ))
 EMPTY = Decision()
 # The shape names a routed answer's keys other than the request's own: a digest

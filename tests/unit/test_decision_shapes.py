@@ -4,12 +4,20 @@ Envoy merges later writes into the namespace."""
 
 from __future__ import annotations
 
+import asyncio
+
+import orjson
 from google.protobuf import struct_pb2
 
 from sidecar import decision
+from sidecar.config.schema import parse
 from sidecar.contract import NAMESPACE
 from sidecar.decision import KEYS, PER_REQUEST, SHAPE, Decision, Reader, encode, unshaped
 from sidecar.handlers.answer_parts import NOTHING_MORE, AnswerParts
+from sidecar.handlers.extproc import Processor
+from sidecar.routing import snapshot
+
+from .test_dispatch import Runtime, _messages, _stream
 
 
 def _routed(parts: AnswerParts, i: int, **more: object) -> dict:
@@ -110,3 +118,34 @@ def test_a_shape_names_the_keys_that_are_not_the_requests_own():
     assert one.fields[SHAPE].string_value == two.fields[SHAPE].string_value
     shared = {k: v for k, v in _routed(parts, 1).items() if k not in PER_REQUEST}
     assert one.fields[SHAPE].string_value == decision.shape_of(shared)
+
+
+BUDGETED = """
+proxy: {passthrough_backend: a}
+backends:
+  - {name: a, url: "http://127.0.0.1:1", models: [m]}
+api_keys:
+  - {key: sk-all, id: all}
+limits:
+  - {model: m, tokens: 100000, token_window: 60s}
+"""
+
+
+def test_requests_under_a_token_budget_share_their_shape():
+    """The budget's remaining tokens and reset time change with every request:
+    they are the request's own, not a new shape (and skeleton) each time."""
+    processor = Processor(Runtime(snapshot.build(parse(BUDGETED, env={}).config)))
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50})
+
+    async def metadata() -> struct_pb2.Struct:
+        messages = _messages("POST", "/v1/chat/completions", {"authorization": "Bearer sk-all"}, body)
+        answers = [a async for a in processor.Process(_stream(messages), None)]
+        return answers[-1].dynamic_metadata.fields[NAMESPACE].struct_value
+
+    sent = [asyncio.run(metadata()) for _ in range(3)]
+    remaining = [s.fields["x_ratelimit_remaining_tokens"].string_value for s in sent]
+    assert len(set(remaining)) == 3, remaining  # each request reserved tokens: the budget moved
+    assert len({s.fields[SHAPE].string_value for s in sent}) == 1
+    reader = Reader(KEYS)
+    assert [reader(s).x_ratelimit_remaining_tokens for s in sent] == remaining
+    assert len(reader.shapes) == 1
