@@ -143,10 +143,10 @@ class CallerSample:
     buckets: int = BUCKETS
     size: int = SAMPLE
     _buckets: deque[_Bucket] = field(default_factory=deque)
+    bucket_s: float = field(init=False)
 
-    @property
-    def bucket_s(self) -> float:
-        return self.window_s / self.buckets
+    def __post_init__(self) -> None:
+        self.bucket_s = self.window_s / self.buckets
 
     def add(self, caller: int, arm: int, now: float) -> None:
         index = math.floor(now / self.bucket_s)
@@ -190,6 +190,7 @@ class Tracker:
         self._seen: Config | None = None
         self._arms: dict[str, tuple[dict[str, int], tuple[int, ...]]] = {}  # experiment -> (arm index, weights)
         self.samples: dict[str, CallerSample] = {}
+        self._slots: dict[tuple[str, str], tuple[CallerSample, int]] = {}  # an arm's sample and its index there
 
     def _refresh(self) -> None:
         cfg = self._config()
@@ -203,6 +204,7 @@ class Tracker:
         self.samples = {
             name: s for name, s in self.samples.items() if name in self._arms and self._arms[name][1] == s.weights
         }
+        self._slots = {}
 
     def reads(self) -> Reads:
         """What :meth:`observe` reads of a decision (its status class reads the kind)."""
@@ -219,17 +221,26 @@ class Tracker:
     def add(self, experiment: str, variant: str, caller: str) -> None:
         """A caller an arm served (``caller``: the hex digits the decision publishes)."""
         self._refresh()
-        arms = self._arms.get(experiment)
-        if arms is None or variant not in arms[0]:
+        slot = self._slots.get((experiment, variant)) or self._slot(experiment, variant)
+        if slot is None:
             return
         try:
             h = int(caller, 16)
         except ValueError:
             return
+        slot[0].add(h, slot[1], self._clock())
+
+    def _slot(self, experiment: str, variant: str) -> tuple[CallerSample, int] | None:
+        """The sample of a configured arm's experiment (made now if new) and
+        the arm's index in it; None for an arm the config does not have."""
+        arms = self._arms.get(experiment)
+        if arms is None or variant not in arms[0]:
+            return None
         sample = self.samples.get(experiment)
         if sample is None:
             sample = self.samples[experiment] = CallerSample(arms[1])
-        sample.add(h, arms[0][variant], self._clock())
+        slot = self._slots[experiment, variant] = (sample, arms[0][variant])
+        return slot
 
     def report(self) -> Iterator[tuple[str, list[str], list[int], float]]:
         """(experiment, arm ids, sampled callers per arm, p-value) for every experiment."""

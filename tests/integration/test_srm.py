@@ -115,6 +115,12 @@ model_experiments:
     config["now"] = parse(text % ", paused: true", env={}).config
     [(_, _, counts, p)] = list(t.report())
     assert counts == [0, 0] and math.isnan(p)
+    # Callers served after the change count in the new sample, not the one it replaced.
+    config["now"] = parse(text % "0", env={}).config  # y: weight 10
+    for i in range(6):
+        t.add("e", "x" if i % 3 else "y", f"{caller(100 + i):016x}")
+    [(_, _, counts, _)] = list(t.report())
+    assert counts == [4, 2]
 
 
 # --------------------------------------------------------------------------- through a stack
