@@ -20,7 +20,7 @@ from sidecar.routing import snapshot
 from .test_dispatch import Runtime, _messages, _stream
 
 
-def _routed(parts: AnswerParts, i: int, **more: object) -> dict:
+def _routed(i: int, **more: object) -> dict:
     """The wire metadata of request ``i`` of one arm (its own values vary)."""
     fields = {"kind": "routed", "family": "openai", "backend": "pool-a", "client_model": "chat",
               "upstream_model": "m-a", "experiment": "chat-ab", "variant": "control", "assignment": "sticky",
@@ -50,9 +50,9 @@ def test_each_request_of_a_shape_reads_as_its_own_decision(monkeypatch):
     monkeypatch.setattr(Reader, "_whole", lambda self, f: (self is reader and read_whole.append(1)) or whole(self, f))
     for i in range(1, 40):
         explained = {"x_explain": "routed: a"} if i % 5 == 0 else {}
-        sent = _sent(parts, _routed(parts, i, **explained))
+        sent = _sent(parts, _routed(i, **explained))
         got = reader(sent)
-        assert got == _whole(sent) == Decision.decode(_routed(parts, i, **explained))
+        assert got == _whole(sent) == Decision.decode(_routed(i, **explained))
         assert (got.request_id, got.caller, got.estimate, got.key_id) == (f"r-{i}", f"{i:016x}", (i, 2 * i),
                                                                           f"team-{i % 3}")
     # Every request took the same arm: one shape, read whole once.
@@ -62,13 +62,13 @@ def test_each_request_of_a_shape_reads_as_its_own_decision(monkeypatch):
 def test_a_reader_of_some_keys_reads_only_those():
     parts, reader = AnswerParts(), Reader(("kind", "request_id", "backend"))
     for i in range(1, 4):
-        got = reader(_sent(parts, _routed(parts, i)))
+        got = reader(_sent(parts, _routed(i)))
         assert got == Decision(kind="routed", request_id=f"r-{i}", backend="pool-a")
 
 
 def test_different_arms_are_different_shapes():
     parts, reader = AnswerParts(), Reader(KEYS)
-    control, treatment = _sent(parts, _routed(parts, 1)), _sent(parts, _routed(parts, 2, variant="treatment"))
+    control, treatment = _sent(parts, _routed(1)), _sent(parts, _routed(2, variant="treatment"))
     assert control.fields[SHAPE].string_value != treatment.fields[SHAPE].string_value
     assert (reader(control).variant, reader(treatment).variant, reader(control).variant) == (
         "control", "treatment", "control")
@@ -76,16 +76,16 @@ def test_different_arms_are_different_shapes():
 
 def test_a_later_write_envoy_merges_in_is_read():
     parts, reader = AnswerParts(), Reader(KEYS)
-    reader(_sent(parts, _routed(parts, 1)))  # the shape is known
+    reader(_sent(parts, _routed(1)))  # the shape is known
     # A fallback hop's write: it overwrites keys the shape holds (and adds none).
-    hop = _sent(parts, _routed(parts, 2))
+    hop = _sent(parts, _routed(2))
     merged = Decision.decode(hop) | Decision(backend="pool-b", upstream_model="m-b")
     written = struct_pb2.Struct()
     written.update(unshaped(merged))
     hop.MergeFrom(written)  # as Envoy merges a namespace
     assert reader(hop) == merged
     # A write that leaves the shape in place but adds a key is read whole too.
-    left = _sent(parts, _routed(parts, 3))
+    left = _sent(parts, _routed(3))
     extra = struct_pb2.Struct()
     extra.update({"fallback_reason": "upstream_error"})
     left.MergeFrom(extra)
@@ -107,16 +107,16 @@ def test_the_shapes_a_reader_keeps_are_bounded(monkeypatch):
     monkeypatch.setattr(decision, "SHAPES", 8)
     parts, reader = AnswerParts(), Reader(KEYS)
     for i in range(50):  # a value a client can vary (a passthrough model name) makes a shape each
-        sent = _sent(parts, _routed(parts, i, client_model=f"m-{i}"))
+        sent = _sent(parts, _routed(i, client_model=f"m-{i}"))
         assert reader(sent).client_model == f"m-{i}"
         assert len(reader.shapes) <= 8
 
 
 def test_a_shape_names_the_keys_that_are_not_the_requests_own():
     parts = AnswerParts()
-    one, two = _sent(parts, _routed(parts, 1)), _sent(parts, _routed(parts, 2))
+    one, two = _sent(parts, _routed(1)), _sent(parts, _routed(2))
     assert one.fields[SHAPE].string_value == two.fields[SHAPE].string_value
-    shared = {k: v for k, v in _routed(parts, 1).items() if k not in PER_REQUEST}
+    shared = {k: v for k, v in _routed(1).items() if k not in PER_REQUEST}
     assert one.fields[SHAPE].string_value == decision.shape_of(shared)
 
 
