@@ -108,42 +108,43 @@ def _literal_spans(body: bytes, values: dict[str, object], parsed: dict[str, Any
     if _KEY_ESCAPE.search(body):
         return None
     spans: dict[str, tuple[int, int]] = {}
-    n = len(body)
     for key in values:
         if key not in parsed:
             continue  # inserted first
         old = parsed[key]
-        if isinstance(old, str):
+        string = isinstance(old, str)
+        if string:
             # At most 6 bytes per character encoded (a \\u escape): no need to encode a short one.
             if len(old) > _SHORT_STRING and len(orjson.dumps(old)) > _SHORT_VALUE:
                 return None
         elif not isinstance(old, (bool, int, float)) and old is not None and len(orjson.dumps(old)) > _SHORT_VALUE:
             return None
-        needle = _needle(key)
+        needle, member, string_member = _member(key)
         if body.count(needle) != 1:
             return None
-        pos = body.index(needle) + len(needle)
-        while pos < n and body[pos] in WS:
-            pos += 1
-        if pos >= n or body[pos] != 0x3A:  # not followed by ':' -> not a key
+        # A string is found with its key, in one native search; another value from where the key's match ends.
+        found = (string_member if string else member).search(body)
+        if found is None:  # not followed by ':' -> not a key
             return None
-        pos += 1
-        while body[pos] in WS:
-            pos += 1
-        spans[key] = (pos, value_end(body, pos))
+        spans[key] = found.span(1) if string else (found.end(), value_end(body, found.end()))
     return spans
 
 
 _SHORT_STRING = (_SHORT_VALUE - 2) // 6  # characters of a string value that surely encodes within _SHORT_VALUE
-_NEEDLES: dict[str, bytes] = {}  # a key as JSON, by key (the router's own few keys)
+_STRING = rb'("[^"\\]*(?:\\.[^"\\]*)*")'  # a JSON string (group 1)
+# By key (the router's own few keys): the key as JSON; the key and its colon
+# (the match ends where the value starts); the same followed by a string value.
+_MEMBERS: dict[str, tuple[bytes, re.Pattern[bytes], re.Pattern[bytes]]] = {}
 
 
-def _needle(key: str) -> bytes:
-    found = _NEEDLES.get(key)
+def _member(key: str) -> tuple[bytes, re.Pattern[bytes], re.Pattern[bytes]]:
+    found = _MEMBERS.get(key)
     if found is None:
-        found = orjson.dumps(key)
-        if len(_NEEDLES) < 64:
-            _NEEDLES[key] = found
+        needle = orjson.dumps(key)
+        colon = re.escape(needle) + rb"[ \t\r\n]*:[ \t\r\n]*"
+        found = needle, re.compile(colon), re.compile(colon + _STRING)
+        if len(_MEMBERS) < 64:
+            _MEMBERS[key] = found
     return found
 
 
