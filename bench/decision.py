@@ -258,8 +258,8 @@ def access_log_batch(decisions: list[struct_pb2.Struct]) -> bytes:
 def account(meter: metering.Meter, raw: bytes) -> None:
     """One access-log message, decoded and accounted as the server's AccessLogService does."""
     message = als_pb2.StreamAccessLogsMessage.FromString(raw)
-    reads = meter.reads()
-    meter.record(metering.entry_of(x, reads) for x in message.http_logs.log_entry)
+    batch = meter.batch()
+    meter.record((metering.entry_of(x, batch.reads) for x in message.http_logs.log_entry), batch)
 
 
 def access_log_us(meter: metering.Meter, raw: bytes) -> float:

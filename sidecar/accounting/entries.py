@@ -38,14 +38,19 @@ class Reads:
 EVERYTHING = Reads(KEYS, trace_headers=True)
 EVERY_KEY = Reads(KEYS)  # the whole decision, without the trace headers
 NOTHING = Reads(())
-# What the accounting itself reads (``billed``, ``status_class``, the metrics and
-# the usage record, accepted feedback's record included).
-ACCOUNTING = Reads((
-    "kind", "request_id", "key_id", "client_model", "upstream_model", "backend", "experiment", "variant",
-    "assignment", "caller", "suffix", "suffix_applied", "fallback_from", "fallback_to", "fallback_reason",
-    "estimate", "background", "feedback_for", "feedback_name", "feedback_value", "feedback_replaces",
-    "feedback_revision", "feedback_comment",
+# What the accounting itself reads for every entry (``billed``, ``status_class``,
+# the metrics, passive health) ...
+COUNTED = Reads((
+    "kind", "backend", "experiment", "variant", "assignment", "suffix", "suffix_applied", "fallback_from",
+    "fallback_to", "fallback_reason", "estimate", "background",
 ))
+# ... and the rest of a usage record, read only while records are written
+# (accepted feedback's record included).
+RECORDED = Reads((
+    "request_id", "key_id", "client_model", "upstream_model", "caller", "feedback_for", "feedback_name",
+    "feedback_value", "feedback_replaces", "feedback_revision", "feedback_comment",
+))
+ACCOUNTING = COUNTED | RECORDED
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ from .. import metrics
 from ..contract import NAMESPACE as NAMESPACE
 from ..contract import USAGE_NAMESPACE as USAGE_NAMESPACE
 from ..decision import Decision
-from .entries import ACCOUNTING, EVERYTHING, Reads
+from .entries import COUNTED, EVERYTHING, NOTHING, RECORDED, Reads
 from .entries import Entry as Entry
 from .entries import entry_of as entry_of
 
@@ -212,9 +212,21 @@ class Observer(Protocol):
 
     An observer may also have ``reads() -> Reads``: what of an entry it uses
     under the current configuration (called once per batch; return the same
-    object while the configuration stands). Without it, it is given everything."""
+    object while the configuration stands). One that reads ``NOTHING`` has
+    nothing to do under it, and is not given the batch's entries. Without
+    ``reads``, it is given everything."""
 
     def observe(self, entry: Entry) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """How one access-log message is accounted, settled when it arrives: what
+    of each entry is read, where its usage records go, and who observes it."""
+
+    reads: Reads
+    sink: Sink | None
+    observers: tuple[Observer, ...]
 
 
 class Meter:
@@ -226,34 +238,42 @@ class Meter:
         self.report_failure = report_failure
         self.sink = sink  # where a batch's usage records go, asked once per batch (None: no record is made)
         self.observers = tuple(observers)
-        fixed, dynamic = ACCOUNTING, []
-        for o in self.observers:
+        fixed = COUNTED
+        self._declared: dict[int, Callable[[], Reads]] = {}  # an observer's place -> its reads
+        for i, o in enumerate(self.observers):
             if (declared := getattr(o, "reads", None)) is not None:
-                dynamic.append(declared)
+                self._declared[i] = declared
             else:
                 fixed |= EVERYTHING
         self._fixed: Reads = fixed
-        self._dynamic: tuple[Callable[[], Reads], ...] = tuple(dynamic)
-        self._parts: tuple[Reads, ...] = ()
-        self._reads = fixed
+        self._seen: tuple[tuple[Reads, ...], Sink | None] | None = None
+        self._batch = Batch(fixed, None, self.observers)
         self._arms: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
-    def reads(self) -> Reads:
-        """What the accounting and its observers read of an entry now (for
-        ``entry_of``; once per batch: an observer's part follows its configuration)."""
-        if not self._dynamic:
-            return self._fixed
-        parts = tuple(r() for r in self._dynamic)
-        if parts != self._parts:  # (the same objects while the configuration stands)
-            reads = self._fixed
+    def batch(self) -> Batch:
+        """How the next batch is accounted (once per batch: the sink and each
+        observer's part follow the configuration)."""
+        sink = self.sink()
+        parts = tuple(r() for r in self._declared.values())
+        if (parts, sink) != self._seen:  # (the same objects while the configuration stands)
+            reads = self._fixed | RECORDED if sink is not None else self._fixed
             for part in parts:
                 reads |= part
-            self._parts, self._reads = parts, reads
-        return self._reads
+            quiet = {i for i, part in zip(self._declared, parts) if part is NOTHING}
+            observers = tuple(o for i, o in enumerate(self.observers) if i not in quiet)
+            self._seen, self._batch = (parts, sink), Batch(reads, sink, observers)
+        return self._batch
 
-    def record(self, entries: Iterable[Entry]) -> None:
+    def reads(self) -> Reads:
+        """What the accounting and its observers read of an entry now (for ``entry_of``)."""
+        return self.batch().reads
+
+    def record(self, entries: Iterable[Entry], batch: Batch | None = None) -> None:
+        """Account ``entries``, read as ``batch`` says (default: the next batch's)."""
         records = []
-        sink, observers = self.sink(), self.observers
+        if batch is None:
+            batch = self.batch()
+        sink, observers = batch.sink, batch.observers
         # A batch's counter increments, summed per child and added once at the
         # end (a batch is mostly one arm's requests; each ``inc`` takes a lock),
         # and its histogram observations, kept in order per child.
@@ -428,12 +448,12 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
             if message is None:
                 break
             entries = message.http_logs.log_entry
-            reads = self.meter.reads()
+            batch = self.meter.batch()
             for start in range(0, len(entries), STEP):
                 if start:
                     await asyncio.sleep(0)  # the request path's messages waiting on the loop go first
                 try:
-                    self.meter.record(entry_of(x, reads) for x in entries[start:start + STEP])
+                    self.meter.record((entry_of(x, batch.reads) for x in entries[start:start + STEP]), batch)
                 except Exception:  # accounting never takes the stream down
                     metrics.STREAM_ERRORS.inc()
                     log.exception("access-log batch could not be accounted")

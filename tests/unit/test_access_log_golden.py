@@ -216,8 +216,8 @@ def run(observed: bool = True) -> dict[str, Any]:
     # As the AccessLogService does: one generator of entries per message, twice (two batches).
     for _ in range(2):
         message = als_pb2.StreamAccessLogsMessage.FromString(raw)
-        reads = meter.reads()
-        meter.record(entry_of(x, reads) for x in message.http_logs.log_entry)
+        plan = meter.batch()
+        meter.record((entry_of(x, plan.reads) for x in message.http_logs.log_entry), plan)
     after = samples()
     # (Rounded: a float sum's difference depends on what earlier tests added to it.)
     moved = {k: round(v - before.get(k, 0.0), 9) for k, v in sorted(after.items()) if v != before.get(k, 0.0)}

@@ -66,12 +66,12 @@ def test_a_step_that_fails_loses_neither_the_stream_nor_the_later_steps():
     record = meter.record
     calls = 0
 
-    def failing_first(entries: Any) -> None:
+    def failing_first(entries: Any, batch: Any = None) -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("a step that cannot be accounted")
-        record(entries)
+        record(entries, batch)
 
     meter.record = failing_first  # type: ignore[method-assign]
     service = AccessLogService(meter)

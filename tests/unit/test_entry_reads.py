@@ -10,7 +10,7 @@ from typing import Any
 from envoy.service.accesslog.v3 import als_pb2
 
 from sidecar.accounting import budgets, logs, tracing
-from sidecar.accounting.entries import ACCOUNTING, EVERY_KEY, EVERYTHING, NOTHING, Reads, entry_of
+from sidecar.accounting.entries import ACCOUNTING, COUNTED, EVERY_KEY, EVERYTHING, NOTHING, Reads, entry_of
 from sidecar.accounting.metering import Meter
 from sidecar.experiments import srm
 
@@ -109,21 +109,60 @@ def test_a_meter_reads_the_union_and_keeps_it_while_the_parts_stand():
             pass
 
     class Caller:
+        part = Reads(("caller",))
+
         def reads(self) -> Reads:
-            return Reads(("caller",))
+            return self.part
 
         def observe(self, entry: Any) -> None:
             pass
 
-    on = On()
-    meter = Meter(lambda b, s: None, observers=(on, Caller()))
-    first = meter.reads()
-    assert first.keys == ACCOUNTING.keys | {"caller"} and not first.trace_headers
-    assert meter.reads() is first
+    on, caller = On(), Caller()
+    meter = Meter(lambda b, s: None, observers=(on, caller))
+    first = meter.batch()
+    assert first.reads.keys == COUNTED.keys | {"caller"} and not first.reads.trace_headers
+    assert first.observers == (caller,)  # one that reads nothing has nothing to do
+    assert meter.batch() is first
     on.part = EVERYTHING
     assert meter.reads().keys == EVERYTHING.keys and meter.reads().trace_headers
-    assert Meter(lambda b, s: None).reads() is ACCOUNTING
+    assert meter.batch().observers == (on, caller)
+    assert Meter(lambda b, s: None).reads() is COUNTED
     assert Meter(lambda b, s: None, observers=(object(),)).reads().keys == EVERYTHING.keys  # type: ignore[arg-type]
+
+
+def test_a_usage_records_keys_are_read_while_records_are_written():
+    sink: list[Any] = []
+    writing: list[Any] = []
+    meter = Meter(lambda b, s: None, lambda: writing[0] if writing else None)
+    assert meter.batch().reads is COUNTED and "request_id" not in COUNTED.keys
+    writing.append(sink)
+    batch = meter.batch()
+    assert batch.sink is sink and batch.reads.keys == ACCOUNTING.keys
+    assert batch.reads.keys >= {"request_id", "key_id", "client_model", "upstream_model", "caller", "feedback_for"}
+
+
+def test_a_batch_is_accounted_with_the_sink_it_was_read_for():
+    """Records turned on between a message's read and its accounting: its
+    entries were read without the records' keys, so none is written for them."""
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    class Lines:
+        def __init__(self) -> None:
+            self.records: list[dict[str, Any]] = []
+
+        def write(self, records: list[dict[str, Any]]) -> None:
+            self.records.extend(records)
+
+    lines: Lines | None = None
+    meter = Meter(lambda b, s: None, lambda: lines)
+    x = accesslog_pb2.HTTPAccessLogEntry()
+    x.common_properties.metadata.filter_metadata["model_router"].update({"kind": "routed", "request_id": "r-1"})
+    batch = meter.batch()
+    lines = Lines()
+    meter.record([entry_of(x, batch.reads)], batch)
+    assert lines.records == []
+    meter.record([entry_of(x, meter.batch().reads)])
+    assert [r["request_id"] for r in lines.records] == ["r-1"]
 
 
 def test_an_entry_without_a_kind_is_read_whole():
