@@ -289,10 +289,9 @@ class RequestHandler:
 
     def _decide(self, st: RequestState, body: bytes, phase: str) -> pb.ProcessingResponse:
         self._counter += 1
-        live = dispatch.Live(
-            now=time.time(), pick=self._counter, rand=self._rand.random(), shadow_rand=self._rand.random(),
-            states=self.runtime.backend_states(), mono=time.monotonic(), spent=self.runtime.budgets.spent,
-        )
+        # now, mono, pick, rand, shadow_rand, states, spent (positional: keywords cost on the request path)
+        live = dispatch.Live(time.time(), time.monotonic(), self._counter, self._rand.random(), self._rand.random(),
+                             self.runtime.backend_states(), self.runtime.budgets.spent)
         assert st.head is not None
         try:
             route: routing.Route | Reply = dispatch.at_body(st.snap, st.head, body, st.headers, live, st.trace)

@@ -97,7 +97,7 @@ def parse(req: Request) -> Parsed:
         data = parse_json(req.body)
         if "model" not in data:
             raise BodyError("missing_model", "The request body has no 'model' field.")
-        return Parsed(check_model_name(data["model"]), json=data)
+        return Parsed(check_model_name(data["model"]), data)
     if kind == "multipart":
         model, f = form_model(req.body, req.headers.get("content-type", ""))
         return Parsed(model, form_field=f)

@@ -53,8 +53,9 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     limited = limits_of(snap, req, client_model, sum(cost))
     if isinstance(limited, Reply):
         return limited
-    plan = ResponsePlan(family=family, kind="routed" if req.ingress.counted else "count_tokens", estimate=cost,
-                        background=req.ingress.response_ids and (parsed.json or {}).get("background") is True)
+    # (Positional, in field order, as below: keywords cost about 0.1 µs each on the request path.)
+    plan = ResponsePlan(family, "routed" if req.ingress.counted else "count_tokens", cost,
+                        req.ingress.response_ids and (parsed.json or {}).get("background") is True)
     target = _experiment(snap, req, parsed, first, plan)
     if isinstance(target, Reply):
         return _attributed(target, plan)
@@ -172,7 +173,7 @@ def _experiment(snap: Snapshot, req: Request, parsed: Parsed, first: Front, plan
             req.trace.stage("experiment", f"none: '{client_model}' is not an experiment's client model"
                             if req.ingress.experiments else "none: this endpoint dispatches the name literally",
                             experiment=None, backends=_sorted(allowed))
-        return Target(client_model, allowed, may_fall_back=True)
+        return Target(client_model, allowed, True)
     exp = info.config
     sticky = sticky_value(exp, req, parsed)
     caller = None
@@ -197,7 +198,7 @@ def _experiment(snap: Snapshot, req: Request, parsed: Parsed, first: Front, plan
         req.trace.stages[-1].update(pin=variant.backends, backends=_sorted(allowed), fallback=exp.fallback)
     if variant.backends is not None and not allowed:
         return errors.model_not_permitted(parsed.model, req.ingress.family)
-    return Target(variant.model, allowed, may_fall_back=exp.fallback == "cross_variant")
+    return Target(variant.model, allowed, exp.fallback == "cross_variant")
 
 
 _pins: PerSnapshot[frozenset[str]] = PerSnapshot()
@@ -276,10 +277,8 @@ def _build(
         plan.id_tag = Owner(chosen.name, plan.rewrite_model or client_model, plan.rewrite_model is not None,
                             key_id).payload()
     set_headers, remove_headers = upstream_auth(snap, chosen)
-    return Route(
-        backend=chosen, client_model=client_model, upstream_model=upstream, body=new_body, path=new_path,
-        set_headers=set_headers, remove_headers=remove_headers, plan=plan,
-    )
+    # backend, client_model, upstream_model, body, path, set_headers, remove_headers, plan
+    return Route(chosen, client_model, upstream, new_body, new_path, set_headers, remove_headers, plan)
 
 
 def _hop_path(route: Route, req: Request) -> str:

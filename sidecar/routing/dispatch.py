@@ -118,10 +118,10 @@ def at_body(
         elif trace is not None:
             trace.stage("passthrough", f"refused: {models}")
         return passthrough(snap, head.path, head.caller, head.family, models)
+    # Every field, in Request's order (keywords cost about 0.1 µs each on the request path).
     return decide(snap, Request(
-        ingress=head.ingress, path=head.path, headers=headers, body=body, caller=head.caller, now=live.now,
-        pick=live.pick, rand=live.rand, shadow_rand=live.shadow_rand, random_bytes=live.random_bytes, states=live.states, mono=live.mono,
-        trace=trace, spent=live.spent,
+        head.ingress, head.path, headers, body, head.caller, live.now, live.pick, live.rand, live.shadow_rand,
+        live.random_bytes, live.states, live.mono, trace, live.spent,
     ))
 
 

@@ -23,6 +23,8 @@ class ResponsePlan:
 
     family: str
     kind: str = "routed"  # routed | count_tokens (counted for tokens only) | follow_up (about a stored response)
+    estimate: tuple[int, int] | None = None  # (prompt, completion) charged when no usage arrives (routing.limits.estimate)
+    background: bool = False  # a Responses API create answered before it runs
     rewrite_model: str | None = None  # top-level model to write into the response
     read_usage: bool = False  # the response's token usage is counted
     strip_injected_usage: bool = False
@@ -43,8 +45,6 @@ class ResponsePlan:
     # A follow-up's id as the client sent it: the engine's 404 becomes the
     # router's own, so no answer tells an id the engine lost from one never issued.
     not_found: str | None = None
-    estimate: tuple[int, int] | None = None  # (prompt, completion) charged when no usage arrives (routing.limits.estimate)
-    background: bool = False  # a Responses API create answered before it runs
     response_id: str | None = None  # a follow-up: the engine's id of the stored response it is about
 
     @property
