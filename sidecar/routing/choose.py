@@ -66,7 +66,8 @@ def _candidates(
     """Metadata alias dispatch, then the backends that serve the model and that
     the request may use: (the id to dispatch, those backends)."""
     if rec is None:
-        return _served.get(snap, (name, allowed), lambda: _serving(snap, name, allowed, None))
+        found = _served.find(snap, (name, allowed))
+        return found if found is not None else _served.keep((name, allowed), _serving(snap, name, allowed, None))
     return _serving(snap, name, allowed, rec)
 
 

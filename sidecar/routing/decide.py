@@ -85,7 +85,8 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     route.limits = limited
     _own_name(route)
     _cache(snap, req, parsed, route, edits, target)
-    _shadow(snap, req, route)
+    if first.info is not None and first.info.config.shadows:
+        _shadow(snap, req, route)
     return route
 
 
@@ -118,9 +119,7 @@ def _own_name(route: Route) -> None:
     (llama.cpp, TGI) gets the name the request was sent as written back, so a
     response names what it would on an engine that echoes the request."""
     plan = route.plan
-    engine = route.backend.config.engine
-    if plan is not None and plan.rewrite_model is None and plan.kind == "routed" and engine is not None \
-            and not engine.echoes_model:
+    if route.backend.names_itself and plan is not None and plan.rewrite_model is None and plan.kind == "routed":
         plan.rewrite_model = route.upstream_model
 
 
@@ -207,11 +206,12 @@ _pins: PerSnapshot[frozenset[str]] = PerSnapshot()
 def _pinned(snap: Snapshot, info: ExperimentInfo, index: int, allowed: frozenset[str] | None) -> frozenset[str]:
     """The backends an arm with a pin may use: its pin, inside the key's allow-list."""
 
-    def compute() -> frozenset[str]:
+    key = (info.index, index, allowed)
+    found = _pins.find(snap, key)
+    if found is None:
         pin = frozenset(info.config.variants[index].backends or ())
-        return pin if allowed is None else allowed & pin
-
-    return _pins.get(snap, (info.index, index, allowed), compute)
+        found = _pins.keep(key, pin if allowed is None else allowed & pin)
+    return found
 
 
 def _traced_arm(trace: Trace, info: ExperimentInfo, sticky: str | None, req: Request) -> int:

@@ -43,7 +43,8 @@ def front(snap: Snapshot, req: Request, sent: str) -> Front:
     ingress, key = req.ingress, req.caller.key
     k = (sent, ingress.aliases, ingress.suffixes, ingress.experiments, ingress.family,
          None if key is None else _hashable(key.allowed_models), None if key is None else _hashable(key.allowed_backends))
-    return _fronts.get(snap, k, lambda: _compute(snap, req, sent))
+    found = _fronts.find(snap, k)
+    return found if found is not None else _fronts.keep(k, _compute(snap, req, sent))
 
 
 def _hashable(names: list[str] | None) -> tuple[str, ...] | None:

@@ -10,7 +10,7 @@ chooses (a model name), so it is bounded: when full it starts over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from .snapshot import Snapshot
@@ -20,7 +20,13 @@ LIMIT = 4096  # entries kept per table before starting over
 
 
 class PerSnapshot(Generic[T]):
-    """``compute()``, once per snapshot and key (at most ``limit`` keys at a time)."""
+    """Values computed once per snapshot and key (at most ``limit`` keys at a time)::
+
+        found = table.find(snap, key)
+        if found is None:
+            found = table.keep(key, compute(...))
+
+    (No closure per lookup: the request path looks up several tables per decision.)"""
 
     __slots__ = ("_snap", "_table", "limit")
 
@@ -29,17 +35,18 @@ class PerSnapshot(Generic[T]):
         self._table: dict[Hashable, T] = {}
         self.limit = limit
 
-    def get(self, snap: Snapshot, key: Hashable, compute: Callable[[], T]) -> T:
+    def find(self, snap: Snapshot, key: Hashable) -> T | None:
+        """The value kept for ``key`` under ``snap``, or None (a new snapshot starts an empty table)."""
         if self._snap is not snap:
             self._snap, self._table = snap, {}
+        return self._table.get(key)
+
+    def keep(self, key: Hashable, value: T) -> T:
+        """``value`` for ``key`` under the snapshot of the last :meth:`find`."""
         table = self._table
-        try:
-            return table[key]
-        except KeyError:
-            pass
         if len(table) >= self.limit:
             table.clear()
-        value = table[key] = compute()
+        table[key] = value
         return value
 
     def __len__(self) -> int:

@@ -194,7 +194,8 @@ _auth: PerSnapshot[Auth] = PerSnapshot()
 def upstream_auth(snap: Snapshot, backend: BackendInfo) -> Auth:
     """Credentials toward the backend (a router key never travels upstream),
     and the client's address removed where it must not go (once per snapshot and backend)."""
-    return _auth.get(snap, backend.name, lambda: _upstream_auth(snap, backend))
+    found = _auth.find(snap, backend.name)
+    return found if found is not None else _auth.keep(backend.name, _upstream_auth(snap, backend))
 
 
 def _upstream_auth(snap: Snapshot, backend: BackendInfo) -> Auth:

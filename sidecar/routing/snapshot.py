@@ -38,6 +38,8 @@ class BackendInfo:
     internal: bool
     weight: int
     config: Backend
+    # Its engine answers with its own model name whatever the request named (llama.cpp, TGI).
+    names_itself: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ def build(
         backends[b.name] = BackendInfo(
             name=b.name, url=url, family=b.family, base_path=path, host=host, port=port, tls=tls,
             api_key=b.api_key, internal=b.internal, weight=b.weight, config=b,
+            names_itself=b.engine is not None and not b.engine.echoes_model,
         )
         if not b.enabled:
             continue
