@@ -144,20 +144,23 @@ class CallerSample:
     size: int = SAMPLE
     _buckets: deque[_Bucket] = field(default_factory=deque)
     bucket_s: float = field(init=False)
+    _cut_at: int = field(init=False)  # callers a bucket holds before it is cut back to ``size``
 
     def __post_init__(self) -> None:
         self.bucket_s = self.window_s / self.buckets
+        self._cut_at = self.size + self.size // 4
 
     def add(self, caller: int, arm: int, now: float) -> None:
         index = math.floor(now / self.bucket_s)
-        if not self._buckets or self._buckets[-1].index != index:
-            self._buckets.append(_Bucket(index))
+        buckets = self._buckets
+        if not buckets or buckets[-1].index != index:
+            buckets.append(_Bucket(index))
             self._expire(index)
-        b = self._buckets[-1]
+        b = buckets[-1]
         if caller >= b.limit:
             return
         b.callers[caller] = arm
-        if len(b.callers) >= self.size + self.size // 4:
+        if len(b.callers) >= self._cut_at:
             kept = sorted(b.callers)[: self.size]
             b.callers = {h: b.callers[h] for h in kept}
             b.limit = kept[-1] + 1
@@ -220,7 +223,8 @@ class Tracker:
 
     def add(self, experiment: str, variant: str, caller: str) -> None:
         """A caller an arm served (``caller``: the hex digits the decision publishes)."""
-        self._refresh()
+        if self._config() is not self._seen:
+            self._refresh()
         slot = self._slots.get((experiment, variant)) or self._slot(experiment, variant)
         if slot is None:
             return
