@@ -7,7 +7,8 @@ Prints microseconds of this process's CPU time per call (``time.process_time``,
 so time the machine gives to other work is not counted) for the pieces the sidecar runs per request,
 on the request path (the decision) and off it (one access-log entry: decoding
 it from a batch, the metrics, the usage record written to a file, and the
-server's observers: spans, the decision log, token budgets, the sample-ratio tracker).
+server's observers: spans, the decision log, token budgets, the sample-ratio tracker;
+and once more without usage records, the default).
 """
 
 from __future__ import annotations
@@ -344,6 +345,12 @@ def main() -> None:
         rows.append((f"access log: the loop held while a batch of {ALS_BATCH} is accounted (p99 of the holds)",
                      access_log_hold_us(meter, raw)))
         rows.append(("ext_proc handler, 2 messages with protobuf (model-router)", handler_us(Processor(runtime))))
+    with tempfile.TemporaryDirectory() as d:
+        # The default deployment: usage records off.
+        runtime = bench_runtime(d, usage_records=False)
+        meter = meter_of(runtime, srm.Tracker(lambda: runtime.snapshot.config))
+        raw = access_log_batch(routed_decisions(runtime))
+        rows.append(("access-log entry without usage records (the default)", access_log_us(meter, raw)))
     rows.append(("ext_proc handler, 2 messages with protobuf (the contract's own work, no decision)",
                  handler_us(ContractFloor())))
     rows.append(("ext_proc handler, 2 messages with protobuf (trivial processor)",
