@@ -264,10 +264,6 @@ class Meter:
             self._seen, self._batch = (parts, sink), Batch(reads, sink, observers)
         return self._batch
 
-    def reads(self) -> Reads:
-        """What the accounting and its observers read of an entry now (for ``entry_of``)."""
-        return self.batch().reads
-
     def record(self, entries: Iterable[Entry], batch: Batch | None = None) -> None:
         """Account ``entries``, read as ``batch`` says (default: the next batch's)."""
         records = []

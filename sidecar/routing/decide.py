@@ -205,7 +205,6 @@ _pins: PerSnapshot[frozenset[str]] = PerSnapshot()
 
 def _pinned(snap: Snapshot, info: ExperimentInfo, index: int, allowed: frozenset[str] | None) -> frozenset[str]:
     """The backends an arm with a pin may use: its pin, inside the key's allow-list."""
-
     key = (info.index, index, allowed)
     found = _pins.find(snap, key)
     if found is None:

@@ -124,10 +124,10 @@ def test_a_meter_reads_the_union_and_keeps_it_while_the_parts_stand():
     assert first.observers == (caller,)  # one that reads nothing has nothing to do
     assert meter.batch() is first
     on.part = EVERYTHING
-    assert meter.reads().keys == EVERYTHING.keys and meter.reads().trace_headers
+    assert meter.batch().reads.keys == EVERYTHING.keys and meter.batch().reads.trace_headers
     assert meter.batch().observers == (on, caller)
-    assert Meter(lambda b, s: None).reads() is COUNTED
-    assert Meter(lambda b, s: None, observers=(object(),)).reads().keys == EVERYTHING.keys  # type: ignore[arg-type]
+    assert Meter(lambda b, s: None).batch().reads is COUNTED
+    assert Meter(lambda b, s: None, observers=(object(),)).batch().reads.keys == EVERYTHING.keys  # type: ignore[arg-type]
 
 
 def test_a_usage_records_keys_are_read_while_records_are_written():
