@@ -86,18 +86,15 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     _own_name(route)
     _cache(snap, req, parsed, route, edits, target)
     if first.info is not None and first.info.config.shadows:
-        _shadow(snap, req, route)
+        _shadow(req, route, first.info)
     return route
 
 
-def _shadow(snap: Snapshot, req: Request, route: Route) -> None:
-    """The shadow stage: whether Envoy also copies this request to its
-    experiment's shadow arm (a share of the experiment's routed requests)."""
+def _shadow(req: Request, route: Route, info: ExperimentInfo) -> None:
+    """The shadow stage, for an experiment with a shadow arm: whether Envoy
+    also copies this request there (a share of the experiment's routed requests)."""
     plan = route.plan
     if plan is None or plan.kind != "routed" or plan.experiment is None:
-        return
-    info = snap.experiments.get(route.client_model)
-    if info is None or not info.config.shadows:
         return
     arm = info.config.shadows[0]
     if req.ingress.body != "json":
