@@ -984,6 +984,11 @@ class Table:
             if us is not None:
                 self.add("in-process ext_proc handler, both messages with protobuf (bench/decision.py)",
                          label, "–", f"{us:.1f} µs/req", "–")
+        for who, label in (("model-router", "model-router"), ("trivial processor", LABELS["minimal"])):
+            us = d.get("rows", {}).get(f"ext_proc handler, caches flushed before each request ({who})")
+            if us is not None:
+                self.add("in-process ext_proc handler, caches flushed before each request (bench/decision.py)",
+                         label, "–", f"{us:.1f} µs/req", "–")
 
     def markdown(self) -> str:
         lines = ["| " + " | ".join(self.HEAD) + " |", "|" + "|".join("---" for _ in self.HEAD) + "|"]

@@ -60,6 +60,9 @@ def test_quick_run_measures_every_stack() -> None:
     for case in ("in-process decision (bench/decision.py)", "access log: one entry in-process (bench/decision.py)"):
         row = next(r for r in rows if r[0] == case)
         assert re.fullmatch(r"[0-9.,]+ µs/(req|entry)", row[3]), row
+    flushed = [r for r in rows if r[0] == "in-process ext_proc handler, caches flushed before each request (bench/decision.py)"]
+    assert {r[1] for r in flushed} == {"model-router", CONFIGURATIONS[1]}, flushed
+    assert all(re.fullmatch(r"[0-9.,]+ µs/req", r[3]) for r in flushed), flushed
 
 
 @pytest.mark.integration
