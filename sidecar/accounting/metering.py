@@ -418,7 +418,7 @@ def observe_all(histogram: Any, values: list[float]) -> None:
 # Entries accounted between two turns of the event loop. Envoy sends about 15
 # per message; accounted at once they would hold the loop, and the ext_proc
 # messages behind it, for about 0.4 ms in process and 1-1.5 ms live
-# (docs/performance.md, "What a request costs live").
+# (docs/performance-passes.md, "What a request costs live").
 STEP = 4
 
 

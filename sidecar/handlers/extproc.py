@@ -113,7 +113,7 @@ class Processor(pbg.ExternalProcessorServicer):  # type: ignore[misc]
         """One ext_proc stream. Its first message says which of four kinds it is,
         and one handler serves it to the end: a client's request (the decision,
         answered here rather than through a generator of its own: each one an
-        answer passes through costs about 2.5 µs, see docs/performance.md), a
+        answer passes through costs about 2.5 µs, see docs/performance-passes.md), a
         fallback hop's attempt, a shadow copy, or an upstream response to rewrite."""
         messages = request_iterator.__aiter__()
         self.in_flight += 1
