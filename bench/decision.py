@@ -39,7 +39,8 @@ from sidecar.contract import NAMESPACE
 from sidecar.experiments import srm
 from sidecar.handlers.answer_parts import NOTHING_MORE, AnswerParts
 from sidecar.handlers.extproc import Processor
-from sidecar.payload.rewrite import SSERewriter, rewrite_json_body
+from sidecar.payload.rewrite import rewrite_json_body
+from sidecar.payload.sse import SSERewriter
 from sidecar.routing import Request, authenticate, decide, snapshot
 from sidecar.routing.ingress import lookup
 from sidecar.serve.runtime import Runtime

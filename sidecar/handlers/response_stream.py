@@ -30,7 +30,8 @@ from ..contract import NAMESPACE as NAMESPACE
 from ..contract import RESPONSE_HEADER as RESPONSE_HEADER
 from ..contract import USAGE_NAMESPACE as USAGE_NAMESPACE
 from ..decision import Decision
-from ..payload.rewrite import MAX_JSON_REWRITE, SSERewriter, Usage, rewrite_json_body
+from ..payload.rewrite import MAX_JSON_REWRITE, Usage, rewrite_json_body
+from ..payload.sse import SSERewriter
 from ..stores.cache import Entry, storable
 
 

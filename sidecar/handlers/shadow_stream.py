@@ -28,7 +28,8 @@ from envoy.type.v3 import http_status_pb2
 from .. import metrics
 from ..config.schema import Config
 from ..contract import SHADOW_HEADER
-from ..payload.rewrite import SSERewriter, Usage, rewrite_json_body
+from ..payload.rewrite import Usage, rewrite_json_body
+from ..payload.sse import SSERewriter
 from ..routing.ingress import family_for
 from ..routing.route import upstream_auth
 from ..routing.shadow import Target, target_of

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from sidecar.config.schema import Config, ConfigError, parse
 from sidecar.errors import Reply
 from sidecar.payload.body import set_top_level, top_level_spans
-from sidecar.payload.rewrite import SSERewriter, rewrite_json_body
+from sidecar.payload.rewrite import rewrite_json_body
+from sidecar.payload.sse import SSERewriter
 from sidecar.routing import Request, Route, authenticate, decide, snapshot
 from sidecar.routing import suffixes as variants
 from sidecar.routing.ingress import INGRESSES

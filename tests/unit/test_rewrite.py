@@ -1,4 +1,4 @@
-"""Tests for sidecar.payload.rewrite: JSON body rewriting and the streaming SSE rewriter."""
+"""Tests for sidecar.payload.rewrite (JSON body rewriting) and sidecar.payload.sse (the streaming SSE rewriter)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from sidecar.payload import rewrite
-from sidecar.payload.rewrite import SSERewriter, Usage, rewrite_json_body
+from sidecar.payload import rewrite, sse
+from sidecar.payload.rewrite import Usage, rewrite_json_body
+from sidecar.payload.sse import SSERewriter
 from tests.support.properties import budget
 
 UNICODE = "héllo→✓😀"
@@ -752,7 +753,7 @@ class TestLongEvents:
         assert rw.usage == Usage()
 
     def test_module_limit_is_the_default(self, monkeypatch):
-        monkeypatch.setattr(rewrite, "MAX_SSE_LINE", 64)
+        monkeypatch.setattr(sse, "MAX_SSE_LINE", 64)
         huge = b'data: {"model":"up","pad":"' + b"x" * 100 + b'"}\n\n'
         rw = SSERewriter("client", "openai")
         assert rw.max_line == 64
