@@ -99,25 +99,27 @@ def _n(number: int) -> int:
     return max(int(number * SCALE), 10)
 
 
+async def through(servicer, msgs: list[bytes]) -> None:
+    """One request through an ext_proc servicer's ``Process``: both messages
+    decoded, answered and the answers encoded, as grpc.aio would (without the
+    transport)."""
+    async def incoming():
+        for m in msgs:
+            yield pb.ProcessingRequest.FromString(m)
+
+    messages = incoming()
+    async for resp in servicer.Process(messages, None):
+        resp.SerializeToString()
+    await messages.aclose()  # a servicer may return before reading to the end, as grpc.aio allows
+
+
 def handler_batch(servicer):
-    """``batch(n)``: n requests through an ext_proc servicer's ``Process``, one
-    after another: both messages decoded, answered and the answers encoded, as
-    grpc.aio would (without the transport)."""
+    """``batch(n)``: n requests through :func:`through`, one after another."""
     wire = [processing_requests(i) for i in range(1000)]
-
-    async def one(msgs: list[bytes]) -> None:
-        async def incoming():
-            for m in msgs:
-                yield pb.ProcessingRequest.FromString(m)
-
-        messages = incoming()
-        async for resp in servicer.Process(messages, None):
-            resp.SerializeToString()
-        await messages.aclose()  # a servicer may return before reading to the end, as grpc.aio allows
 
     async def batch(n: int) -> None:
         for i in range(n):
-            await one(wire[i % len(wire)])
+            await through(servicer, wire[i % len(wire)])
 
     return batch
 
@@ -142,22 +144,12 @@ def cold_handler_us(servicer, n: int = 2_000) -> float:
     ones = b"\x01" * (len(buf) // 64)
     n = _n(n)
 
-    async def one(msgs: list[bytes]) -> None:
-        async def incoming():
-            for m in msgs:
-                yield pb.ProcessingRequest.FromString(m)
-
-        messages = incoming()
-        async for resp in servicer.Process(messages, None):
-            resp.SerializeToString()
-        await messages.aclose()
-
     async def timed() -> float:
         spent = 0
         for i in range(n):
             buf[::64] = ones  # one write per cache line
             t = time.process_time_ns()
-            await one(wire[i % len(wire)])
+            await through(servicer, wire[i % len(wire)])
             spent += time.process_time_ns() - t
         return spent / 1e3
 

@@ -148,6 +148,15 @@ class SSERewriter:
         self.max_line = MAX_SSE_LINE if max_line is None else max_line
         self.usage = Usage()
         self._openai = family == "openai"
+        self._start()
+        self._value = b""
+        self._value_of: str | None = None  # the model ``_value`` encodes
+        self._held: bytes | None = None  # a finishing chunk held back, without its blank line
+        self._extras: dict[str, Any] | None = None  # the engine's own members of the usage chunk just dropped
+        self._finishing = False  # the event just read ends a choice
+
+    def _start(self) -> None:
+        """The scanner's state before a stream's first byte (and again after its end)."""
         self._buf = bytearray()
         self._scan = 0
         self._passthrough = False
@@ -156,11 +165,6 @@ class SSERewriter:
         self._lf_emit = True
         self._mode = _LF_ONLY
         self._cr_tail = False
-        self._value = b""
-        self._value_of: str | None = None  # the model ``_value`` encodes
-        self._held: bytes | None = None  # a finishing chunk held back, without its blank line
-        self._extras: dict[str, Any] | None = None  # the engine's own members of the usage chunk just dropped
-        self._finishing = False  # the event just read ends a choice
 
     @property
     def buffered(self) -> int:
@@ -312,14 +316,7 @@ class SSERewriter:
         other remainder is released as is.
         """
         rest = bytes(self._buf)
-        self._buf = bytearray()
-        self._scan = 0
-        self._passthrough = False
-        self._prev = b""
-        self._lf_pending = False
-        self._lf_emit = True
-        self._mode = _LF_ONLY
-        self._cr_tail = False
+        self._start()
         if rest and (rest[-1] == 10 or rest[-1] == 13):
             result = self._event(rest)
             rest = b"" if result is None else result
