@@ -14,6 +14,7 @@ What is accepted:
   ``charset=utf-8``); parameters as RFC 9110 tokens or quoted strings without
   backslashes, quotes or semicolons inside, each named once.
 - The body starts with the first delimiter line; every line break is CRLF;
+  no part's value begins with the delimiter (aiohttp ends the part there);
   a part's header lines are ``token: value`` (no folding, each name once),
   limited to ``Content-Disposition: form-data; name=...[; filename=...]`` and
   ``Content-Type`` (not ``multipart/*``).
@@ -192,6 +193,10 @@ def _parts(body: bytes, boundary: bytes) -> list[_Part]:
         if head_end == pos:
             raise _refuse("A multipart part has no Content-Disposition header.")
         start = head_end + 4
+        if body.startswith(delim, start):
+            # The blank line's CRLF also opens a delimiter for aiohttp, which
+            # ends the part here; python-multipart reads on to the next CRLF--boundary.
+            raise _refuse("A multipart part's value begins with its boundary, which parsers read differently.")
         nxt = body.find(b"\r\n" + delim, start)
         if nxt < 0:
             raise _refuse("The multipart body is not terminated.")

@@ -132,6 +132,10 @@ AMBIGUOUS_FORMS = {
         MP, part(b'form-data;\r\n name="model"', b"qwen") + IMAGE + END, "malformed header"),
     "request-charset": (b"multipart/form-data; boundary=B; charset=utf-16", FIRST + IMAGE + END, "charset"),
     "boundary-line-padding": (MP, b"--B \r\n" + FIRST[5:] + IMAGE + END, "boundary line"),
+    # aiohttp reads the prompt as empty and a model part inside it; python-multipart reads one prompt.
+    "value-begins-with-boundary": (
+        MP, part(b'form-data; name="prompt"', part(b'form-data; name="model"', b"qwen")[:-2]) + FIRST + IMAGE + END,
+        "begins with its boundary"),
 }
 
 
