@@ -186,16 +186,7 @@ class SSERewriter:
         """
         if not chunk:
             return b""
-        mode = self._mode
-        if mode != _LONE_CR and (self._cr_tail or 13 in chunk):
-            lone = chunk.count(13) - chunk.count(b"\r\n")
-            if self._cr_tail and chunk[0] != 10:
-                lone += 1
-            tail = chunk[-1] == 13
-            if tail:
-                lone -= 1
-            self._cr_tail = tail
-            mode = self._mode = _LONE_CR if lone else _CRLF
+        mode = self._terminators(chunk)
         out: list[bytes | bytearray] = []
         if self._lf_pending:
             # The previous event ended in "\r" at a chunk boundary; a "\n"
@@ -207,22 +198,11 @@ class SSERewriter:
                 chunk = chunk[1:]
                 if not chunk:
                     return b"".join(out)
-        data: bytes | bytearray
         if self._passthrough:
-            data = self._prev + chunk
-            m = _BLANK_LINE.search(data)
-            if m is None:
-                self._prev = chunk[-1:]
-                out.append(chunk)
-                return b"".join(out)
-            end = self._blank_end(data, m.start() + 1, True)
-            out.append(data[1:end])
-            self._passthrough = False
-            self._prev = b""
-            chunk = data[end:]
+            chunk = self._end_passthrough(chunk, out)
             if not chunk:
                 return b"".join(out)
-
+        data: bytes | bytearray
         buf = self._buf
         if buf:
             buf += chunk
@@ -231,6 +211,47 @@ class SSERewriter:
         else:
             data = chunk
             search = 0
+        pos, raw_from = self._events(data, search, mode, out)
+        self._keep(data, pos, raw_from, out)
+        if len(out) == 1:
+            piece = out[0]
+            return piece if type(piece) is bytes else bytes(piece)
+        return b"".join(out)
+
+    def _terminators(self, chunk: bytes) -> int:
+        """The stream's line-terminator style once ``chunk`` is seen (it only widens)."""
+        mode = self._mode
+        if mode != _LONE_CR and (self._cr_tail or 13 in chunk):
+            lone = chunk.count(13) - chunk.count(b"\r\n")
+            if self._cr_tail and chunk[0] != 10:
+                lone += 1
+            tail = chunk[-1] == 13
+            if tail:
+                lone -= 1
+            self._cr_tail = tail
+            mode = self._mode = _LONE_CR if lone else _CRLF
+        return mode
+
+    def _end_passthrough(self, chunk: bytes, out: list[bytes | bytearray]) -> bytes:
+        """Forward the rest of an oversized event; what follows its end ("" while it goes on)."""
+        data = self._prev + chunk
+        m = _BLANK_LINE.search(data)
+        if m is None:
+            self._prev = chunk[-1:]
+            out.append(chunk)
+            return b""
+        end = self._blank_end(data, m.start() + 1, True)
+        out.append(data[1:end])
+        self._passthrough = False
+        self._prev = b""
+        return data[end:]
+
+    def _events(self, data: bytes | bytearray, search: int, mode: int,
+                out: list[bytes | bytearray]) -> tuple[int, int]:
+        """Release every complete event of ``data`` (from ``search`` on, no blank
+        line starts earlier) into ``out``: unchanged bytes as slices, rewritten
+        events in their place. Returns where the first incomplete event starts
+        and where the bytes not yet in ``out`` start."""
         n = len(data)
         pos = 0
         raw_from = 0
@@ -281,8 +302,13 @@ class SSERewriter:
                     out.append(data[b:end])
                 raw_from = end
             pos = end
+        return pos, raw_from
 
-        if n - pos > max_line:
+    def _keep(self, data: bytes | bytearray, pos: int, raw_from: int, out: list[bytes | bytearray]) -> None:
+        """After :meth:`_events`: buffer the incomplete event that starts at
+        ``pos``, or release it when it has outgrown ``max_line``."""
+        n = len(data)
+        if n - pos > self.max_line:
             if self._held is not None:
                 out.append(data[raw_from:pos])
                 out.append(self.take_held())
@@ -292,21 +318,18 @@ class SSERewriter:
             out.append(data[raw_from:])
             self._buf = bytearray()
             self._scan = 0
-        else:
-            if raw_from < pos:
-                out.append(data[raw_from:pos])
-            if data is buf:
-                if pos == n:
-                    self._buf = bytearray()
-                elif pos:
-                    del buf[:pos]
-            elif pos < n:
-                self._buf = bytearray(data[pos:])
-            self._scan = len(self._buf) - 1
-        if len(out) == 1:
-            piece = out[0]
-            return piece if type(piece) is bytes else bytes(piece)
-        return b"".join(out)
+            return
+        if raw_from < pos:
+            out.append(data[raw_from:pos])
+        buf = self._buf
+        if data is buf:
+            if pos == n:
+                self._buf = bytearray()
+            elif pos:
+                del buf[:pos]
+        elif pos < n:
+            self._buf = bytearray(data[pos:])
+        self._scan = len(self._buf) - 1
 
     def finish(self) -> bytes:
         """Release whatever is still buffered at end of stream and reset.
