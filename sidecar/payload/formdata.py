@@ -18,6 +18,8 @@ What is accepted:
   a part's header lines are ``token: value`` (no folding, each name once),
   limited to ``Content-Disposition: form-data; name=...[; filename=...]`` and
   ``Content-Type`` (not ``multipart/*``).
+- Every field that is not a file and is untyped or ``text/*`` is UTF-8 text
+  (aiohttp decodes such fields and fails the whole form otherwise).
 - Exactly one part named ``model`` (compared without case, so ``MODEL`` is a
   second one), spelled ``model``, without a filename, as UTF-8 text.
 """
@@ -204,6 +206,25 @@ def _parts(body: bytes, boundary: bytes) -> list[_Part]:
         pos = nxt + 2
 
 
+def _check_text_fields(parts: list[_Part], model: _Part | None) -> None:
+    """aiohttp decodes every field that is not a file and has no type or a
+    ``text/*`` one, and fails the whole form on a value its charset cannot
+    decode; python-multipart reads such a form. Such fields must be UTF-8
+    (``model``, checked as a model name, is not one of them here)."""
+    for p in parts:
+        if p.has_filename or p is model:
+            continue
+        media, params = parse_params(p.content_type, "part content type") if p.content_type else ("text/plain", {})
+        if not media.startswith("text/"):
+            continue
+        if params.get("charset", "utf-8").lower() != "utf-8":
+            raise _refuse(f"The form field '{p.name}' declares a charset other than UTF-8.")
+        try:
+            p.value.value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _refuse(f"The form field '{p.name}' is not valid UTF-8 text, which aiohttp refuses.") from None
+
+
 def _model_part(parts: list[_Part]) -> _Part | None:
     if any(p.name.lower() == _CHARSET_FIELD for p in parts):
         raise _refuse("A '_charset_' form field is not accepted.")
@@ -227,7 +248,9 @@ def _model_part(parts: list[_Part]) -> _Part | None:
 def form_model_field(body: bytes, content_type: str) -> FormField | None:
     """The form's ``model`` field, or None when it has none; raises BodyError
     for a form engines could read differently."""
-    part = _model_part(_parts(body, form_boundary(content_type)))
+    parts = _parts(body, form_boundary(content_type))
+    part = _model_part(parts)
+    _check_text_fields(parts, part)
     return part.value if part is not None else None
 
 

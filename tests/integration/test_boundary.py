@@ -136,6 +136,10 @@ AMBIGUOUS_FORMS = {
     "value-begins-with-boundary": (
         MP, part(b'form-data; name="prompt"', part(b'form-data; name="model"', b"qwen")[:-2]) + FIRST + IMAGE + END,
         "begins with its boundary"),
+    "non-utf8-text-field": (MP, part(b'form-data; name="prompt"', b"a \xff hat") + FIRST + IMAGE + END, "UTF-8"),
+    "latin1-text-field": (
+        MP, part(b'form-data; name="prompt"', b"a hat", b"Content-Type: text/plain; charset=latin-1") + FIRST + IMAGE + END,
+        "UTF-8"),
 }
 
 

@@ -147,6 +147,10 @@ _seen = {"accepted": 0, "refused": 0}
                b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nqwen\r\n'
                b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nmistral\r\n--B--\r\n',
                "multipart/form-data; boundary=B"))
+# A text field that is not UTF-8: aiohttp fails the whole form, python-multipart reads it.
+@example(form=(b'--B\r\nContent-Disposition: form-data; name=\'model\'\r\n\r\n\xff\r\n'
+               b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nmistral\r\n--B--\r\n',
+               "multipart/form-data; boundary=B"))
 @EXAMPLES
 @given(forms())
 def test_an_accepted_form_names_the_model_both_engines_read(form):
