@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import _http  # noqa: E402
 import httpx  # noqa: E402
 
-from sidecar.devstack.stack import Stack  # noqa: E402
+from sidecar.devstack.stack import Stack, free_port  # noqa: E402
 
 _BODY = (b'{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"plain",'
          b'"choices":[{"index":0,"message":{"role":"assistant","content":"Hello there, friend."},'
@@ -151,10 +151,7 @@ def main() -> int:
     args = ap.parse_args()
     import multiprocessing
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     upstream = multiprocessing.Process(target=serve_upstream, args=(port,), daemon=True)
     upstream.start()
     stacks: dict[str, Stack] = {}

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,11 +35,15 @@ if TYPE_CHECKING:
     from testcontainers.core.container import DockerContainer
 
 
+# Ports this process has handed out: never handed out twice, even before the
+# first taker has bound it.
+_handed_out: set[int] = set()
+_handing_out = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port that is free now, below the kernel's ephemeral range (see :func:`free_port_run`)."""
+    return free_port_run(1, host)
 
 
 def port_free(addr: str) -> bool:
@@ -47,17 +52,22 @@ def port_free(addr: str) -> bool:
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     """The first of ``count`` consecutive free ports, below the kernel's
-    ephemeral range: a port that is free now but ephemeral may become some
-    outgoing connection's local port before a worker binds it."""
+    ephemeral range: a port that is free now but ephemeral (as one the kernel
+    picks for ``bind(0)``) may become some outgoing connection's local port
+    before the process it is meant for binds it. None is one this process
+    handed out before."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(10000, max(10001, low - count))
-        if all(port_free(f"{host}:{first + i}") for i in range(count)):
-            return first
+    with _handing_out:
+        for _ in range(200):
+            first = rng.randrange(10000, max(10001, low - count))
+            ports = range(first, first + count)
+            if _handed_out.isdisjoint(ports) and all(port_free(f"{host}:{p}") for p in ports):
+                _handed_out.update(ports)
+                return first
     raise StackError(f"no {count} consecutive free ports on {host}")
 
 

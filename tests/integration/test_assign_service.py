@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,6 +28,7 @@ import pytest
 
 from sidecar._proto import assignment_pb2 as pb
 from sidecar._proto import assignment_pb2_grpc as pb_grpc
+from sidecar.devstack.stack import free_port
 from sidecar.routing.assignment import assign, next_boundary
 from tools import protogen
 
@@ -302,12 +302,6 @@ def test_docs_cli_example_is_real_output(tmp_path):
 
 
 # --------------------------------------------------------------------------- gRPC
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

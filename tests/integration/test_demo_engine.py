@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from sidecar.devstack.demo.engine import SPLIT_WORD, add_arguments, build_app, start
+from sidecar.devstack.stack import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -720,15 +721,9 @@ def test_add_arguments_defaults_and_repeatable_model() -> None:
         parser.parse_args([])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_run_serves_until_signalled(sig: signal.Signals) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     with subprocess.Popen(
         [sys.executable, "-m", "sidecar.devstack.demo.engine", "--port", str(port), "--name", "cli", "--model", "x1"],
