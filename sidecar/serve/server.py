@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -64,6 +65,71 @@ def _grpc_gate(
     return grpc_auth.Gate(secret, auth), credentials
 
 
+@dataclass
+class _Services:
+    """The gRPC server and the services on it that the shutdown reaches."""
+
+    server: grpc.aio.Server
+    processor: Processor
+    access_log: AccessLogService
+    health: health.aio.HealthServicer
+
+
+def _grpc_services(runtime: Runtime, gate: grpc_auth.Gate) -> _Services:
+    """Every gRPC service on one server behind the port's gate: ext_proc, the
+    access log, rate limits, health, and the assignment service when built."""
+    limit = runtime.snapshot.config.server.max_body_bytes + 1024 * 1024
+    for service in grpc_auth.GUARDED_SERVICES:  # a refusal's first count is an increase
+        metrics.GRPC_UNAUTHENTICATED.labels(service)
+    server = grpc.aio.server(
+        interceptors=[grpc_auth.Interceptor(gate, lambda s: metrics.GRPC_UNAUTHENTICATED.labels(s).inc())],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    )
+    processor = Processor(runtime)
+    pbg.add_ExternalProcessorServicer_to_server(processor, server)
+    sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
+    metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
+    access_log = AccessLogService(meter_of(runtime, sample_ratio))
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    try:
+        from ..experiments.service import add_to_server
+
+        add_to_server(server, runtime)
+    except ImportError:
+        pass
+    return _Services(server, processor, access_log, health_service)
+
+
+def _listen(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> None:
+    try:
+        port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        fatal(f"cannot listen for gRPC on {listen} (address in use?)")
+
+
+async def _admin_site(runtime: Runtime, admin_listen: str, shared: bool, server: grpc.aio.Server) -> web.AppRunner:
+    runner = web.AppRunner(admin_app(runtime), access_log=None)
+    await runner.setup()
+    host, aport = address.split(admin_listen)
+    site = web.TCPSite(runner, host, aport, reuse_port=shared or None)
+    try:
+        await site.start()
+    except OSError as exc:
+        await server.stop(grace=0)
+        fatal(f"cannot listen for the admin port on {admin_listen}: {exc.strerror}")
+    return runner
+
+
 async def serve_async(
     config_path: str,
     *,
@@ -82,73 +148,41 @@ async def serve_async(
     admin_listen = admin_listen or cfg.admin_listen
     # A supervised worker shares its admin port with its replacement while it drains.
     shared = workers.supervised()
-    limit = cfg.max_body_bytes + 1024 * 1024
     gate, credentials = _grpc_gate(cfg.grpc_auth, grpc_secret_file, grpc_listen, grpc_trust_network)
-    for service in grpc_auth.GUARDED_SERVICES:  # a refusal's first count is an increase
-        metrics.GRPC_UNAUTHENTICATED.labels(service)
-    server = grpc.aio.server(
-        interceptors=[grpc_auth.Interceptor(gate, lambda s: metrics.GRPC_UNAUTHENTICATED.labels(s).inc())],
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-    )
-    processor = Processor(runtime)
-    pbg.add_ExternalProcessorServicer_to_server(processor, server)
-    tracer = runtime.tracer
-    sample_ratio = srm.Tracker(lambda: runtime.snapshot.config)
-    metrics.REGISTRY.register(srm.SrmCollector(sample_ratio))
-    access_log = AccessLogService(meter_of(runtime, sample_ratio))
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitService(lambda: runtime.snapshot), server)
-    health_service = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    try:
-        from ..experiments.service import add_to_server
-
-        add_to_server(server, runtime)
-    except ImportError:
-        pass
-    try:
-        port = server.add_secure_port(grpc_listen, credentials) if credentials else server.add_insecure_port(grpc_listen)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        fatal(f"cannot listen for gRPC on {grpc_listen} (address in use?)")
-    await server.start()
-    tracer.start()
-
-    runner = web.AppRunner(admin_app(runtime), access_log=None)
-    await runner.setup()
-    host, aport = address.split(admin_listen)
-    site = web.TCPSite(runner, host, aport, reuse_port=shared or None)
-    try:
-        await site.start()
-    except OSError as exc:
-        await server.stop(grace=0)
-        fatal(f"cannot listen for the admin port on {admin_listen}: {exc.strerror}")
+    services = _grpc_services(runtime, gate)
+    _listen(services.server, grpc_listen, credentials)
+    await services.server.start()
+    runtime.tracer.start()
+    runner = await _admin_site(runtime, admin_listen, shared, services.server)
     for reason, n in workers.restarts_so_far().items():
         metrics.WORKER_RESTARTS.labels(reason).set(n)
     monitor = runtime.monitor = Monitor(lambda: runtime.snapshot, on_models_changed=runtime.set_discovered)
     await monitor.start()
     runtime.budgets.start(time.time)
     runtime.ready = True
-    await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+    await services.health.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("model-router sidecar: gRPC on %s, admin on http://%s", grpc_listen, admin_listen)
     announce(f"model-router sidecar ready: gRPC {grpc_listen}, admin http://{admin_listen}")
     workers.notify("ready")
 
+    leaving, grace = await _until_told(runtime, float(cfg.drain_timeout_s))
+    await _leave(runtime, services, leaving, grace)
+    await monitor.stop()
+    await runtime.budgets.stop(time.time())
+    await runtime.close()
+    await runner.cleanup()
+
+
+async def _until_told(runtime: Runtime, grace: float) -> tuple[str | None, float]:
+    """Serve, reloading the config as it changes, until a stop signal or a
+    reason to leave: (why this process leaves before a stop signal, the drain's
+    grace). Leaving is "recycle" (the supervisor has started its replacement)
+    or "retire" (no supervisor: leave the endpoints, drain and exit 0 for
+    Kubernetes or systemd to start it again)."""
     stop = asyncio.Event()
-    grace = float(cfg.drain_timeout_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-
-    # Why this process leaves before a stop signal: "recycle" (the supervisor
-    # has started its replacement) or "retire" (no supervisor: leave the
-    # endpoints, drain and exit 0 for Kubernetes or systemd to start it again).
     leaving: str | None = None
 
     def leave(reason: str) -> None:
@@ -174,11 +208,17 @@ async def serve_async(
     watcher = asyncio.create_task(watch())
     await stop.wait()
     watcher.cancel()
+    return leaving, grace
+
+
+async def _leave(runtime: Runtime, services: _Services, leaving: str | None, grace: float) -> None:
+    """Go unready in the order Envoy's health checks (and Kubernetes) need,
+    then drain the gRPC services."""
     if leaving == "recycle":
         # Serve on until Envoy's health check has found the replacement...
         await asyncio.sleep(HEALTH_INTERVAL_S + 0.5)
     runtime.ready = False
-    await health_service.enter_graceful_shutdown()
+    await services.health.enter_graceful_shutdown()
     if leaving == "recycle":
         # ...and has seen this one go NOT_SERVING: until then it may open streams here.
         await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_FAILURES + 1.5)
@@ -186,13 +226,10 @@ async def serve_async(
         # Until Kubernetes has taken the pod out of its endpoints (readiness)
         # and Envoy's health check has seen NOT_SERVING, streams may still come.
         await asyncio.sleep(RETIRE_WAIT_S)
-    await _drain(server, processor, access_log, grace, runtime.snapshot.config.metering.flush_interval_ms / 1000)
-    await tracer.close()
-    processor.close()
-    await monitor.stop()
-    await runtime.budgets.stop(time.time())
-    await runtime.close()
-    await runner.cleanup()
+    await _drain(services.server, services.processor, services.access_log, grace,
+                 runtime.snapshot.config.metering.flush_interval_ms / 1000)
+    await runtime.tracer.close()
+    services.processor.close()
 
 
 async def _drain(server: grpc.aio.Server, processor: Processor, access_log: AccessLogService, grace: float, flush_s: float) -> None:
