@@ -136,7 +136,7 @@ def form_boundary(content_type: str) -> bytes:
 class _Part:
     name: str
     has_filename: bool
-    content_type: str | None
+    content_type: tuple[str, dict[str, str]] | None  # its media type (lower case) and parameters, read once
     value: FormField
 
 
@@ -169,9 +169,10 @@ def _part(block: bytes, field: FormField) -> _Part:
     if kind != "form-data" or "name" not in params or set(params) - {"name", "filename"}:
         raise _refuse("A multipart part's Content-Disposition must be form-data with a name (and an optional filename).")
     ctype = headers.get("content-type")
-    if ctype is not None and parse_params(ctype, "part content type")[0].startswith("multipart/"):
+    read = parse_params(ctype, "part content type") if ctype is not None else None
+    if read is not None and read[0].startswith("multipart/"):
         raise _refuse("Nested multipart parts are not accepted.")
-    return _Part(params["name"], "filename" in params, ctype, field)
+    return _Part(params["name"], "filename" in params, read, field)
 
 
 def _parts(body: bytes, boundary: bytes) -> list[_Part]:
@@ -214,7 +215,7 @@ def _check_text_fields(parts: list[_Part], model: _Part | None) -> None:
     for p in parts:
         if p.has_filename or p is model:
             continue
-        media, params = parse_params(p.content_type, "part content type") if p.content_type else ("text/plain", {})
+        media, params = p.content_type or ("text/plain", {})
         if not media.startswith("text/"):
             continue
         if params.get("charset", "utf-8").lower() != "utf-8":
@@ -239,7 +240,7 @@ def _model_part(parts: list[_Part]) -> _Part | None:
     if part.has_filename:
         raise _refuse("The form's 'model' field must not be a file.")
     if part.content_type is not None:
-        media, params = parse_params(part.content_type, "content type of the 'model' field")
+        media, params = part.content_type
         if media != "text/plain" or set(params) - {"charset"} or params.get("charset", "utf-8").lower() != "utf-8":
             raise _refuse("The form's 'model' field may only be text/plain in UTF-8.")
     return part
