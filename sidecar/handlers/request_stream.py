@@ -31,6 +31,7 @@ from ..payload.rewrite import rewrite_json_body
 from ..routing import dispatch, explain
 from ..routing.context import Caller
 from ..routing.ingress import Ingress, canonical, family_for
+from ..routing.limits import LimitPlan
 from ..routing.limits import refusal as budget_refusal
 from ..routing.snapshot import BACKEND_HEADER, CLIENT_ROUTER_HEADERS, EXPLAIN_HEADER, Snapshot
 from ..routing.trace import Trace
@@ -173,7 +174,8 @@ class RequestHandler:
     async def headers(self, st: RequestState, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """The answer to the request headers (already read into ``st`` by
         :meth:`RequestState.read`): a decision, or a request for the body."""
-        return self._sent_on(st, await self._shared_budgets(st, self._request_headers(st, msg)))
+        resp = self._request_headers(st, msg)
+        return resp if st.route is None else await self._sent_on(st, resp)
 
     async def body(self, st: RequestState, body: bytes,
                    waits: Callable[[], float | None] = lambda: None) -> pb.ProcessingResponse | Interim:
@@ -192,8 +194,10 @@ class RequestHandler:
             return await self._held(st, body, excess, patience)
         if st.ingress is None and not st.passthrough and is_feedback(st.path):
             return await self._feedback(st, body)
-        resp = self._request_body(st, body)
-        plan = st.route.plan if st.route is not None else None
+        resp = self._pass(st, body, phase="body") if st.passthrough else self._decide(st, body, phase="body")
+        if st.route is None:
+            return resp  # refused
+        plan = st.route.plan
         if plan is not None and plan.suffix == "online":
             # The sidecar answers this one itself; keep Envoy waiting for it.
             search = st.snap.config.web_search
@@ -201,7 +205,7 @@ class RequestHandler:
             return Interim(_more_time(search.deadline_s), partial(self._searched, st, body))
         if plan is not None and plan.cache is not None and plan.cache.read:
             resp = await self._from_cache(st) or resp
-        return self._sent_on(st, await self._shared_budgets(st, resp))
+        return await self._sent_on(st, resp)
 
     async def _held(self, st: RequestState, body: bytes, excess: str, patience: float) -> pb.ProcessingResponse:
         if patience > 0:
@@ -209,15 +213,20 @@ class RequestHandler:
         return self._refuse(self._too_complex(st, excess), st)
 
     async def _searched(self, st: RequestState, body: bytes) -> pb.ProcessingResponse:
-        return self._sent_on(st, await self._shared_budgets(st, await self._online(st, body)))
+        return await self._sent_on(st, await self._online(st, body))
 
-    @staticmethod
-    def _sent_on(st: RequestState, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
-        """``resp``, the request's last answer; a shadow copy counts only when
-        it lets the request on (an answer of the sidecar's own sends nothing
-        upstream, so Envoy mirrors nothing)."""
+    async def _sent_on(self, st: RequestState, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """The last answer of a request the decision routed (``resp``, or a
+        refusal after all): with Redis, the token budgets' reservation made
+        in Redis too; a shadow copy counted when the answer lets the request
+        on (an answer of the sidecar's own sends nothing upstream, so Envoy
+        mirrors nothing)."""
         route = st.route
-        if route is not None and route.shadow is not None and not resp.HasField("immediate_response"):
+        assert route is not None
+        limits = route.limits
+        if limits is not None and limits.budgets and st.snap.config.redis is not None:
+            resp = await self._shared_budgets(st, limits, resp)
+        if route.shadow is not None and not resp.HasField("immediate_response"):
             assert route.plan is not None and route.plan.experiment is not None  # a shadow is an experiment's
             metrics.SHADOW_COPIES.labels(route.plan.experiment, route.shadow[1]).inc()
         return resp
@@ -265,11 +274,6 @@ class RequestHandler:
             return self._decide(st, b"", phase="headers")
         return _BODY_NEXT
 
-    def _request_body(self, st: RequestState, body: bytes) -> pb.ProcessingResponse:
-        if st.passthrough:
-            return self._pass(st, body, phase="body")
-        return self._decide(st, body, phase="body")
-
     def _pass(self, st: RequestState, body: bytes, phase: str) -> pb.ProcessingResponse:
         """A path outside the ingress table, judged on the models it names."""
         assert st.head is not None
@@ -305,35 +309,34 @@ class RequestHandler:
     def _routed(self, st: RequestState, route: routing.Route, phase: str, kind: str) -> pb.ProcessingResponse:
         """The answer that sends a request on: header and body mutations, and
         the decision as dynamic metadata (counted as ``kind`` once it is sure
-        to go: a 431 counts as a refusal only)."""
-        self._canonical_path(st, route)
+        to go: a 431 counts as a refusal only). Each feature that is off
+        costs its check here, no call."""
+        if route.path is None and st.raw_path != st.path:
+            route.path = st.path  # upstream goes the spelling the decision was made on
         headers = self._route_headers(st, route)
         if isinstance(headers, Reply):
             return self._refuse(headers, st)
         metrics.DECISIONS_OF(kind).inc()
         st.route = route
-        self._remember(st, route)
+        if st.snap.config.feedback_metrics:
+            self._remember(st, route)
         if route.limits is not None and route.limits.budgets:
             self.runtime.budgets.reserve(route.limits)  # in the step whose decision admitted it
         m = route.fields()  # (one dict to the wire, no Decision built: this runs for every routed request)
         m.update(st.fields())
-        explained = self._explained(st, route)
-        if explained is not None:
-            m["x_explain"] = explained
+        if st.trace is not None:
+            m["x_explain"] = self._explained(st.trace, route)
         md = encode(m)
         return self.parts.routed(phase, NOTHING_MORE, NAMESPACE, md, *headers, route.body)
 
-    async def _shared_budgets(self, st: RequestState, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
-        """With Redis, the reservation the decision made locally is made in
-        Redis too, checked against every replica's count; a budget another
-        replica spent refuses the request after all."""
-        route = st.route
-        if route is None or route.limits is None or not route.limits.budgets or st.snap.config.redis is None:
-            return resp
-        spent = await self.runtime.budgets.reserve_shared(route.limits)
+    async def _shared_budgets(self, st: RequestState, limits: LimitPlan, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """The reservation the decision made locally, made in Redis too and
+        checked against every replica's count: a budget another replica
+        spent refuses the request after all."""
+        spent = await self.runtime.budgets.reserve_shared(limits)
         if spent is None:
             return resp
-        return self._refuse(budget_refusal(spent, route.limits.model, st.family, route.limits.now), st)
+        return self._refuse(budget_refusal(spent, limits.model, st.family, limits.now), st)
 
     async def _online(self, st: RequestState, body: bytes) -> pb.ProcessingResponse:
         route = st.route
@@ -379,7 +382,8 @@ class RequestHandler:
         return owner_of(caller.key.id if caller.key is not None else None, caller.api_key) if caller else ""
 
     def _remember(self, st: RequestState, route: routing.Route) -> None:
-        """The arm that serves this request, for feedback on it (in memory: no I/O here)."""
+        """The arm that serves this request, for feedback on it when the config
+        declares feedback metrics (in memory: no I/O here)."""
         plan = route.plan
         if plan is not None and plan.kind == "routed" and plan.experiment is not None:
             self.feedback.record(st.snap.config, st.headers.get("x-request-id"), partial(self._owner, st),
@@ -396,12 +400,6 @@ class RequestHandler:
     async def _feedback(self, st: RequestState, body: bytes) -> pb.ProcessingResponse:
         reply, meta = await self.feedback.handle(st.snap.config, st.headers.get(":method", "POST"), self._owner(st), body)
         return immediate(reply, st.meta() | meta)
-
-    @staticmethod
-    def _canonical_path(st: RequestState, route: routing.Route) -> None:
-        """Send upstream the spelling the decision was made on."""
-        if route.path is None and st.raw_path != st.path:
-            route.path = st.path
 
     def _route_headers(self, st: RequestState, route: routing.Route) -> _Headers | Reply:
         """The request-header mutation that carries a route (the headers every
@@ -449,19 +447,16 @@ class RequestHandler:
         return shared, remove, own
 
     @staticmethod
-    def _explained(st: RequestState, result: routing.Route | Reply) -> str | None:
-        """The trace summary (the decision's ``x_explain``: Envoy sends it back
-        as a response header), when an operator asked for it."""
-        if st.trace is None:
-            return None
-        st.trace.conclude(result)
-        return st.trace.summary()
+    def _explained(trace: Trace, result: routing.Route | Reply) -> str:
+        """The trace's summary (the decision's ``x_explain``: Envoy sends it
+        back as a response header), for a request an operator asked about."""
+        trace.conclude(result)
+        return trace.summary()
 
     def _refuse(self, reply: Reply, st: RequestState) -> pb.ProcessingResponse:
         metrics.DECISIONS.labels(str(reply.status)).inc()
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
-        explained = self._explained(st, reply)
-        if explained is not None:
-            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, explained),))
+        if st.trace is not None:
+            reply = replace(reply, headers=reply.headers + ((EXPLAIN_HEADER, self._explained(st.trace, reply)),))
         return immediate(reply, st.meta())

@@ -46,11 +46,12 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if first.refusal is not None:
         return first.refusal
     requested, client_model, word = first.requested, first.client_model, first.word
-    continues = _continues(snap, req, parsed)
+    # A stage that is off costs its check here, no call.
+    continues = _continues(snap, req, parsed) if req.ingress.continues and parsed.json is not None else None
     if isinstance(continues, Reply):
         return continues
     cost = limits.estimate(req.body, parsed.json)
-    limited = limits_of(snap, req, client_model, sum(cost))
+    limited = limits_of(snap, req, client_model, sum(cost)) if snap.limits or trace is not None else None
     if isinstance(limited, Reply):
         return limited
     # (Positional, in field order, as below: keywords cost about 0.1 µs each on the request path.)
@@ -83,8 +84,10 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
         route.hops = hops
         plan.chain_origin, plan.hop_path = target.model, _hop_path(route, req)
     route.limits = limited
-    _own_name(route)
-    _cache(snap, req, parsed, route, edits, target)
+    if backend.names_itself:
+        _own_name(route)
+    if snap.config.cache is not None:
+        _cache(snap, req, parsed, route, edits, target)
     if first.info is not None and first.info.config.shadows:
         _shadow(req, route, first.info)
     return route
@@ -112,11 +115,12 @@ def _shadow(req: Request, route: Route, info: ExperimentInfo) -> None:
 
 
 def _own_name(route: Route) -> None:
-    """An engine that answers with its own model name whatever was asked
-    (llama.cpp, TGI) gets the name the request was sent as written back, so a
-    response names what it would on an engine that echoes the request."""
+    """For a backend that names itself: an engine that answers with its own
+    model name whatever was asked (llama.cpp, TGI) gets the name the request
+    was sent as written back, so a response names what it would on an engine
+    that echoes the request."""
     plan = route.plan
-    if route.backend.names_itself and plan is not None and plan.rewrite_model is None and plan.kind == "routed":
+    if plan is not None and plan.rewrite_model is None and plan.kind == "routed":
         plan.rewrite_model = route.upstream_model
 
 
@@ -124,8 +128,7 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
     """The response cache's stage: the key of a cacheable request (the body
     as the backend gets it: ``edits`` holds every field the route changed)."""
     cfg = snap.config.cache
-    if cfg is None:
-        return
+    assert cfg is not None
     data = {**parsed.json, **edits} if parsed.json is not None else None
     plan = route.plan
     assert plan is not None
@@ -145,9 +148,9 @@ def _cache(snap: Snapshot, req: Request, parsed: Parsed, route: Route, edits: Ed
 
 
 def _continues(snap: Snapshot, req: Request, parsed: Parsed) -> tuple[str, str] | Reply | None:
-    """A create that continues a stored response goes where that response is."""
-    if not req.ingress.continues or parsed.json is None:
-        return None
+    """A create that continues a stored response goes where that response is
+    (for an ingress that continues them, a JSON body)."""
+    assert parsed.json is not None
     found = affinity.continued(snap, req.caller, parsed.json)
     if req.trace is not None and found is not None:
         req.trace.stage("continues", "refused: previous_response_id names no response this caller can reach"

@@ -41,14 +41,11 @@ def front(snap: Snapshot, req: Request, sent: str) -> Front:
     if req.trace is not None:
         return _compute(snap, req, sent)
     ingress, key = req.ingress, req.caller.key
-    k = (sent, ingress.aliases, ingress.suffixes, ingress.experiments, ingress.family,
-         None if key is None else _hashable(key.allowed_models), None if key is None else _hashable(key.allowed_backends))
+    models = None if key is None or key.allowed_models is None else tuple(key.allowed_models)
+    backends = None if key is None or key.allowed_backends is None else tuple(key.allowed_backends)
+    k = (sent, ingress.aliases, ingress.suffixes, ingress.experiments, ingress.family, models, backends)
     found = _fronts.find(snap, k)
     return found if found is not None else _fronts.keep(k, _compute(snap, req, sent))
-
-
-def _hashable(names: list[str] | None) -> tuple[str, ...] | None:
-    return None if names is None else tuple(names)
 
 
 def _compute(snap: Snapshot, req: Request, sent: str) -> Front:
