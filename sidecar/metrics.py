@@ -18,6 +18,7 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
+from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
     from .config.schema import Config
@@ -104,12 +105,6 @@ VARIANT_REQUESTS = Counter(
     "continuum_model_variant_requests_total",
     "Requests carrying a model variant suffix, by variant and whether it took effect.",
     ["variant", "applied"],
-    registry=REGISTRY,
-)
-DECISIONS = Counter(
-    "model_router_decisions_total",
-    "Routing decisions, by outcome (routed, passthrough, or the refusal's HTTP status).",
-    ["outcome"],
     registry=REGISTRY,
 )
 CONFIG_RELOADS = Counter(
@@ -233,6 +228,42 @@ VARIANT_WEIGHT = Gauge(
 )
 
 
+class Tally:
+    """A counter family the request path bumps once per request: each label
+    set's count a plain number, exposed when the registry is scraped.
+    ``prometheus_client``'s ``Counter.inc`` checks its labels and takes a lock
+    on every call; here an increment is one dict update. Only for use on the
+    event loop's thread (the admin port scrapes there too) and label values
+    from a closed set."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self._counts: dict[tuple[str, ...], int] = {}
+        registry.register(self)
+
+    def inc(self, *values: str) -> None:
+        """One more of the label set ``values``."""
+        counts = self._counts
+        counts[values] = counts.get(values, 0) + 1
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, n in list(self._counts.items()):
+            family.add_metric(values, n)
+        return [family]
+
+
+DECISIONS = Tally(
+    "model_router_decisions_total",
+    "Routing decisions, by outcome (routed, passthrough, or the refusal's HTTP status).",
+    ("outcome",),
+    registry=REGISTRY,
+)
+
+
 class Children:
     """A labelled metric's children, each looked up once: ``labels()`` checks,
     converts and locks on every call, a dict lookup does not. Only for metrics
@@ -257,7 +288,6 @@ class Children:
 EXPERIMENT_REQUESTS_OF = Children(EXPERIMENT_REQUESTS)
 EXPERIMENT_DURATION_OF = Children(EXPERIMENT_DURATION)
 EXPERIMENT_TOKENS_OF = Children(EXPERIMENT_TOKENS)
-DECISIONS_OF = Children(DECISIONS)
 
 
 STATUSES = ("success", "client_error", "server_error")

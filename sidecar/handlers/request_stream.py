@@ -70,7 +70,7 @@ class RequestState:
     )
 
     def __init__(self) -> None:
-        self.snap = cast("Snapshot", None)  # set at the request headers, before anything reads it
+        self.snap: Snapshot = None  # type: ignore[assignment]  # set at the request headers, before anything reads it
         self.head: dispatch.Head | None = None
         self.ingress: Ingress | None = None
         self.family = "openai"
@@ -170,6 +170,8 @@ class RequestHandler:
         self.feedback = Feedback()
         self.json_budget = Budget()
         self.parts = AnswerParts()
+        self._traces_of: Snapshot | None = None  # the snapshot _traces was read for
+        self._traces = False  # this process exports spans
 
     async def headers(self, st: RequestState, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """The answer to the request headers (already read into ``st`` by
@@ -259,7 +261,7 @@ class RequestHandler:
             return self._feedback_headers(st, msg)  # without feedback metrics the path is the backends' own
         if head.kind == "listing":
             assert isinstance(head.outcome, Reply)
-            metrics.DECISIONS.labels("listing").inc()
+            metrics.DECISIONS.inc("listing")
             return immediate(head.outcome, st.meta() | Decision(kind="listing"))
         if head.kind == "passthrough":
             st.passthrough = True
@@ -316,7 +318,7 @@ class RequestHandler:
         headers = self._route_headers(st, route)
         if isinstance(headers, Reply):
             return self._refuse(headers, st)
-        metrics.DECISIONS_OF(kind).inc()
+        metrics.DECISIONS.inc(kind)
         st.route = route
         if st.snap.config.feedback_metrics:
             self._remember(st, route)
@@ -424,7 +426,9 @@ class RequestHandler:
             own.append(("content-length", str(len(route.body))))
         # The engine's spans join the router's trace (docs/observability.md);
         # with no span exported, none is named upstream: it would be no one's.
-        traced = upstream_traceparent(st.headers.get("traceparent")) if self.runtime.exports_traces() else None
+        if st.snap is not self._traces_of:  # (the tracer's settings change with the config only)
+            self._traces_of, self._traces = st.snap, self.runtime.exports_traces()
+        traced = upstream_traceparent(st.headers.get("traceparent")) if self._traces else None
         if traced is not None:
             own.append(("traceparent", traced[0]))
             st.span_id = traced[1]
@@ -454,7 +458,7 @@ class RequestHandler:
         return trace.summary()
 
     def _refuse(self, reply: Reply, st: RequestState) -> pb.ProcessingResponse:
-        metrics.DECISIONS.labels(str(reply.status)).inc()
+        metrics.DECISIONS.inc(str(reply.status))
         if reply.reserved_by is not None:
             metrics.RESERVED_REFUSALS.labels(reply.reserved_by).inc()
         if st.trace is not None:

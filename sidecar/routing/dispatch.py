@@ -71,13 +71,13 @@ def at_headers(
 ) -> Head:
     """The headers' part of the decision. ``body_follows``: a body is on its way."""
     path = canonical(raw_path)
-    family = family_for(path)
+    ingress = lookup(path)
+    family = ingress.family if ingress is not None else family_for(path)
     problem = path_problem(raw_path)
     if problem is not None:
         if trace is not None:
             trace.stage("ingress", f"refused: {problem}", path=raw_path)
         return Head(path, family, "refused", outcome=errors.error("invalid_request", problem, family))
-    ingress = lookup(path)
     if trace is not None:
         trace.stage("ingress", f"{ingress.path} ({family}, {ingress.body} body)" if ingress is not None
                     else "not a model endpoint", path=path, family=family)

@@ -68,6 +68,10 @@ class Snapshot:
     reserved: Mapping[str, str] = field(default_factory=dict)
     limits: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)  # client-facing model -> its limits
     id_key: bytes = response_ids.PROCESS_KEY  # seals response ids (sidecar.payload.response_ids)
+    max_body_bytes: int = field(init=False)  # server.max_body_bytes: every request reads it, twice
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_body_bytes", self.config.server.max_body_bytes)
 
     def resolve(self, name: str) -> tuple[str, tuple[str, ...]]:
         """The catalog's one answer: (the id to dispatch, the backends serving it).
@@ -87,10 +91,6 @@ class Snapshot:
 
     def meta(self, name: str) -> ModelMetadata | None:
         return self.metadata.get(self.meta_alias.get(name, name))
-
-    @property
-    def max_body_bytes(self) -> int:
-        return self.config.server.max_body_bytes
 
 
 def _experiment(index: int, e: Experiment) -> ExperimentInfo:
