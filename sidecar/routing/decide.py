@@ -51,7 +51,7 @@ def decide(snap: Snapshot, req: Request) -> Route | Reply:
     if isinstance(continues, Reply):
         return continues
     cost = limits.estimate(req.body, parsed.json)
-    limited = limits_of(snap, req, client_model, sum(cost)) if snap.limits or trace is not None else None
+    limited = limits_of(snap, req, client_model, sum(cost)) if snap.limits else None
     if isinstance(limited, Reply):
         return limited
     # (Positional, in field order, as below: keywords cost about 0.1 µs each on the request path.)
