@@ -232,9 +232,10 @@ class Tally:
     """A counter family the request path bumps once per request: each label
     set's count a plain number, exposed when the registry is scraped.
     ``prometheus_client``'s ``Counter.inc`` checks its labels and takes a lock
-    on every call; here an increment is one dict update. Only for use on the
-    event loop's thread (the admin port scrapes there too) and label values
-    from a closed set."""
+    on every call; here an increment is one dict update. Increments only on
+    the event loop's thread; a scrape may run on another (the experiments
+    report reads the registry in a worker thread) and copies the counts in
+    one native call. Label values from a closed set."""
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, labelnames

@@ -426,8 +426,9 @@ class RequestHandler:
             own.append(("content-length", str(len(route.body))))
         # The engine's spans join the router's trace (docs/observability.md);
         # with no span exported, none is named upstream: it would be no one's.
-        if st.snap is not self._traces_of:  # (the tracer's settings change with the config only)
-            self._traces_of, self._traces = st.snap, self.runtime.exports_traces()
+        current = self.runtime.snapshot  # (what the tracer follows; its settings change with it only)
+        if current is not self._traces_of:
+            self._traces_of, self._traces = current, self.runtime.exports_traces()
         traced = upstream_traceparent(st.headers.get("traceparent")) if self._traces else None
         if traced is not None:
             own.append(("traceparent", traced[0]))

@@ -45,7 +45,9 @@ class Runtime:
         pass
 
 
-def _traceparent_sent(processor: Processor) -> bool:
+def _traceparent_sent(processor: Processor, between=lambda: None) -> bool:
+    """Whether a routed request's answer names a span upstream; ``between``
+    runs after Envoy's first message is read, before the body arrives."""
     entries = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
                {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}.items()]
     messages = [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=entries))),
@@ -53,8 +55,9 @@ def _traceparent_sent(processor: Processor) -> bool:
 
     async def run() -> list[pb.ProcessingResponse]:
         async def stream():
-            for m in messages:
-                yield m
+            yield messages[0]
+            between()
+            yield messages[1]
         return [a async for a in processor.Process(stream(), None)]
 
     answer = asyncio.run(run())[-1]
@@ -75,6 +78,22 @@ def test_whether_spans_are_exported_is_read_again_for_each_new_snapshot():
     runtime.snapshot = off
     assert _traceparent_sent(processor) is False
     assert runtime.asked == 3
+
+
+def test_a_reload_during_an_upload_is_followed_as_the_tracer_follows_it():
+    """A request decided on the old snapshot names a span upstream only if
+    the tracer, which follows the current config, will export it."""
+    off = snapshot.build(parse(CONFIG, env={}).config)
+    on = snapshot.build(parse(CONFIG + "server: {grpc_listen: '127.0.0.1:9999'}\n", env={}).config)
+    runtime = Runtime(on)
+    processor = Processor(runtime)
+    assert _traceparent_sent(processor) is True
+
+    def reload(to: Snapshot):
+        return lambda: setattr(runtime, "snapshot", to)
+
+    assert _traceparent_sent(processor, between=reload(off)) is False  # headers under "on", body after the reload
+    assert _traceparent_sent(processor, between=reload(on)) is True
 
 
 def test_a_tally_is_scraped_as_a_counter_per_label_set():
