@@ -433,8 +433,12 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         self._linger = 0.0
 
     def close(self, linger: float) -> None:
-        """End every stream once it has been quiet for ``linger`` seconds
-        (Envoy then opens a new one, to another worker, for its next entries)."""
+        """End every stream right after its next batch, or once it has been
+        quiet for ``linger`` seconds (Envoy then opens a new one, to another
+        worker, for its next entries). Just after a batch is when Envoy is
+        least likely to have another on the way; under steady load a stream
+        is never quiet, and waiting for that held a drain until the load
+        stopped."""
         self._linger = linger
         self._closing.set()
 
@@ -453,21 +457,23 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
                 except Exception:  # accounting never takes the stream down
                     metrics.STREAM_ERRORS.inc()
                     log.exception("access-log batch could not be accounted")
+            if self._closing.is_set():
+                break
         return als_pb2.StreamAccessLogsResponse()
 
     async def _next(self, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """The next batch, or None at the end of the stream or once closing and quiet."""
+        read = asyncio.ensure_future(context.read())
         if not self._closing.is_set():
-            read = asyncio.ensure_future(context.read())
             closing = asyncio.ensure_future(self._closing.wait())
-            done, _ = await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
             closing.cancel()
-            if read in done:
-                message = read.result()
-                return None if message is grpc.aio.EOF else message
-            read.cancel()
-        try:
-            message = await asyncio.wait_for(context.read(), self._linger)
-        except TimeoutError:
-            return None
+        if not read.done():
+            # Closing: the read under way is kept, not cancelled and started
+            # again (a batch arriving meanwhile would be lost).
+            await asyncio.wait({read}, timeout=self._linger)
+            if not read.done():
+                read.cancel()
+                return None
+        message = read.result()
         return None if message is grpc.aio.EOF else message

@@ -78,3 +78,77 @@ def test_a_step_that_fails_loses_neither_the_stream_nor_the_later_steps():
     reply = asyncio.run(service.StreamAccessLogs(None, Messages(message, message)))
     assert isinstance(reply, als_pb2.StreamAccessLogsResponse)
     assert len(seen.entries) == 2 * total - metering.STEP  # only the first step of the first message is lost
+
+
+class Arriving:
+    """A stream context whose messages arrive when the test says, or on a schedule."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def read(self) -> Any:
+        return await self.queue.get()
+
+
+def test_closing_ends_a_busy_stream_after_its_next_batch():
+    """Under steady load a stream is never quiet: a drain that waited for
+    quiet waited until the load stopped. It ends after the next batch."""
+    message = als_pb2.StreamAccessLogsMessage.FromString(batch())
+    total = len(message.http_logs.log_entry)
+    seen = Seen()
+    service = AccessLogService(Meter(lambda backend, status: None, observers=(seen,)))
+
+    async def main() -> int:
+        context = Arriving()
+        stream = asyncio.create_task(service.StreamAccessLogs(None, context))
+
+        async def steady() -> None:  # a batch every 20 ms, well inside the linger
+            while True:
+                context.queue.put_nowait(message)
+                await asyncio.sleep(0.02)
+
+        feeder = asyncio.create_task(steady())
+        while len(seen.entries) < 3 * total:
+            await asyncio.sleep(0.01)
+        service.close(linger=1.0)
+        try:
+            await asyncio.wait_for(stream, timeout=5)  # not until the load stops
+        finally:
+            feeder.cancel()
+        return len(seen.entries)
+
+    accounted = asyncio.run(main())
+    assert accounted % total == 0  # whole batches only: none cut short
+
+
+def test_a_batch_arriving_while_closing_is_accounted_and_the_stream_ends_with_it():
+    message = als_pb2.StreamAccessLogsMessage.FromString(batch())
+    total = len(message.http_logs.log_entry)
+    seen = Seen()
+    service = AccessLogService(Meter(lambda backend, status: None, observers=(seen,)))
+
+    async def main() -> float:
+        context = Arriving()
+        stream = asyncio.create_task(service.StreamAccessLogs(None, context))
+        await asyncio.sleep(0.05)  # the stream waits for its next batch
+        service.close(linger=30.0)
+        await asyncio.sleep(0.05)
+        context.queue.put_nowait(message)
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(stream, timeout=5)  # not the 30 s of quiet
+        return asyncio.get_running_loop().time() - started
+
+    asyncio.run(main())
+    assert len(seen.entries) == total
+
+
+def test_a_quiet_stream_ends_after_the_linger_once_closing():
+    service = AccessLogService(Meter(lambda backend, status: None))
+
+    async def main() -> None:
+        stream = asyncio.create_task(service.StreamAccessLogs(None, Arriving()))
+        await asyncio.sleep(0.05)
+        service.close(linger=0.2)
+        await asyncio.wait_for(stream, timeout=5)
+
+    asyncio.run(main())
