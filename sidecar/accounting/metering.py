@@ -437,8 +437,8 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         quiet for ``linger`` seconds (Envoy then opens a new one, to another
         worker, for its next entries). Just after a batch is when Envoy is
         least likely to have another on the way; under steady load a stream
-        is never quiet, and waiting for that held a drain until the load
-        stopped."""
+        is never quiet, and waiting for quiet alone would hold a drain for as
+        long as the load lasts."""
         self._linger = linger
         self._closing.set()
 
