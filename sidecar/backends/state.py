@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from ..payload.body import model_name_problem
 from ..routing.route import credentials
 from ..routing.selection import admissible, fresh
 from ..routing.snapshot import BackendInfo
@@ -61,14 +62,6 @@ class BackendState:
         return admissible(self, now, max_waiting, freshness_s)
 
 
-def _check_model_id(value: object) -> str | None:
-    if not isinstance(value, str) or not value or len(value) > 256:
-        return None
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        return None
-    return value
-
-
 def parse_models(body: bytes | str) -> tuple[str, ...]:
     """Model ids of an OpenAI/Anthropic ``{"data": [{"id": ...}, ...]}`` list, in order, deduplicated.
 
@@ -88,9 +81,8 @@ def parse_models(body: bytes | str) -> tuple[str, ...]:
             continue
         aliases = item.get("aliases")
         for name in (item.get("id"), *(aliases if isinstance(aliases, list) else ())):
-            model = _check_model_id(name)
-            if model is not None:
-                out.setdefault(model, None)
+            if model_name_problem(name) is None:
+                out.setdefault(name, None)
     return tuple(out)
 
 

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..payload.body import has_control
+from ..payload.body import model_name_problem
 from . import address
 from .engines import ENGINES, LIVENESS, EngineSpec, HealthCheck
 
@@ -91,10 +91,9 @@ def _listen(value: str) -> str:
 
 
 def _check_model_name(v: str) -> str:
-    if not v or len(v) > 256:
-        raise ValueError("model names must be 1..256 characters")
-    if has_control(v):
-        raise ValueError("model names must not contain control characters (C0, DEL, C1, U+2028, U+2029)")
+    problem = model_name_problem(v)
+    if problem is not None:
+        raise ValueError(f"a model name {problem[1]}")
     return v
 
 

@@ -29,22 +29,26 @@ class BodyError(Exception):
         super().__init__(message)
 
 
-def has_control(text: str) -> bool:
-    """Whether a name holds a character no model name may (the one rule for
-    request bodies and the config)."""
-    return _CONTROL.search(text) is not None
+def model_name_problem(name: object) -> tuple[Kind, str] | None:
+    """What keeps ``name`` from being a model name (the error kind and what
+    is wrong), or None: the one rule for request bodies, the config and the
+    names engines list."""
+    if not isinstance(name, str):
+        return "missing_model", "must be a string"
+    if _CONTROL.search(name) is not None:
+        return "invalid_model", "must not contain control characters"
+    if not name.strip():
+        return "missing_model", "must not be empty"
+    if len(name) > MAX_MODEL_NAME:
+        return "invalid_model", f"is longer than {MAX_MODEL_NAME} characters"
+    return None
 
 
 def check_model_name(model: Any) -> str:
-    if not isinstance(model, str):
-        raise BodyError("missing_model", "The 'model' field must be a string.")
-    if has_control(model):
-        raise BodyError("invalid_model", "The 'model' field must not contain control characters.")
-    if not model.strip():
-        raise BodyError("missing_model", "The 'model' field must not be empty.")
-    if len(model) > MAX_MODEL_NAME:
-        raise BodyError("invalid_model", f"The 'model' field is longer than {MAX_MODEL_NAME} characters.")
-    return model
+    problem = model_name_problem(model)
+    if problem is not None:
+        raise BodyError(problem[0], f"The 'model' field {problem[1]}.")
+    return model  # type: ignore[no-any-return]
 
 
 def parse_json(body: bytes) -> dict[str, Any]:

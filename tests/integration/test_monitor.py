@@ -16,6 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import aiohttp
+import orjson
 import pytest
 
 from sidecar.backends.monitor import Monitor
@@ -42,6 +43,10 @@ def test_parse_models():
     assert parse_models(llama) == ("tiny", "tiny-b")
     odd = rb'{"data": [{"id": "a", "aliases": "b"}, {"id": "c", "aliases": [1, "", "d\u0000", "e", null]}, {"aliases": ["f"]}]}'
     assert parse_models(odd) == ("a", "c", "e", "f")
+    # An engine's names are held to the rule request bodies are: a name no
+    # request could ask for is not listed.
+    unaskable = orjson.dumps({"data": [{"id": n} for n in ("c1\x85", "sep\u2028", "   ", "x" * 257, "x" * 256, "ok")]})
+    assert parse_models(unaskable) == ("x" * 256, "ok")
     for bad in (b"[]", b'{"models": []}', b"not json", b'{"data": {}}'):
         with pytest.raises(ValueError):
             parse_models(bad)

@@ -151,6 +151,16 @@ def test_duplicate_backend_and_control_characters():
     assert errs == ["backends[1].name: duplicate backend name 'a'"]
 
 
+def test_a_model_name_no_request_could_name_is_refused():
+    # The config holds model names to the rule request bodies are held to: a
+    # name of spaces alone, or past 256 characters, could never be asked for.
+    for bad, why in (("'   '", "must not be empty"), ("''", "must not be empty"), ("x" * 257, "is longer than 256")):
+        errs = errors_of(f"backends: [{{name: a, url: 'http://x', models: [{bad}]}}]")
+        assert any(e.startswith("backends[0].models[0]") and why in e for e in errs), (bad, errs)
+    cfg = parse(f"backends: [{{name: a, url: 'http://x', models: [{'x' * 256}, ' spaced name ']}}]").config
+    assert list(cfg.backends[0].models) == ["x" * 256, " spaced name "]
+
+
 def test_type_errors_read_plainly():
     errs = errors_of(BASE + "model_experiments: [{name: e, model: chat, variants: [{id: a, model: m1, weight: lots}]}]\nbackends_x: 1\n")
     assert "model_experiments[0].variants[0].weight: must be a whole number" in errs
