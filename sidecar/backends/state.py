@@ -67,9 +67,11 @@ def parse_models(body: bytes | str) -> tuple[str, ...]:
 
     An entry's ``aliases`` list is read too: llama-server started with
     ``--alias a,b`` lists one entry whose ``id`` is one of the names and whose
-    ``aliases`` hold them all, and it answers to each. Names that are not
-    usable (not a string, empty, over 256 characters or with control
-    characters) are skipped; a body of another shape raises ``ValueError``.
+    ``aliases`` hold them all, and it answers to each. Names no request could
+    ask for (:func:`sidecar.payload.body.model_name_problem`: not a string,
+    empty or spaces only, over 256 characters, or with a C0 or C1 control,
+    DEL, U+2028 or U+2029) are skipped; a body of another shape raises
+    ``ValueError``.
     """
     doc = orjson.loads(body)
     data = doc.get("data") if isinstance(doc, dict) else None

@@ -36,7 +36,7 @@ def model_name_problem(name: object) -> tuple[Kind, str] | None:
     if not isinstance(name, str):
         return "missing_model", "must be a string"
     if _CONTROL.search(name) is not None:
-        return "invalid_model", "must not contain control characters"
+        return "invalid_model", "must not contain control characters (C0, DEL, C1, U+2028, U+2029)"
     if not name.strip():
         return "missing_model", "must not be empty"
     if len(name) > MAX_MODEL_NAME:

@@ -28,6 +28,7 @@ class Silent:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.lock = threading.Lock()
         self.held: list[socket.socket] = []
         self.posts = 0  # connections whose request is a POST (not the monitor's probes)
         self.closed = False
@@ -40,7 +41,8 @@ class Silent:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            self.held.append(conn)
+            with self.lock:
+                self.held.append(conn)
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
@@ -49,14 +51,15 @@ class Silent:
         except OSError:
             return
         if first == b"POST":
-            self.posts += 1
+            with self.lock:
+                self.posts += 1
 
     def release(self) -> None:
         """Close the connections held so far: the requests on them fail."""
-        held, self.held = self.held, []
+        with self.lock:
+            held, self.held = self.held, []
         for c in held:
             c.close()
-        self.posts = 0
 
     def close(self) -> None:
         self.closed = True
@@ -232,14 +235,19 @@ def test_a_silent_shadow_backend_holds_at_most_its_cap_and_callers_go_on(stacks,
     def dropped() -> int:
         return sum(envoy_stat(shadowed, name, exact=True) for name in overflows)
 
-    # Earlier tests' copies may still hold the cap: end them, and start from an
-    # empty cap so that only this test's copies are counted.
-    silent.release()
+    # Earlier tests' copies may still hold the cap: end them (a pending one
+    # that then reaches a connection too), and start from an empty cap so
+    # that only this test's copies are counted.
     deadline = time.monotonic() + 60
-    while (envoy_stat(shadowed, "cluster.shadow~slow.upstream_rq_active", exact=True)
-           or envoy_stat(shadowed, "cluster.shadow~slow.upstream_rq_pending_active", exact=True)):
+    while True:
+        silent.release()
+        if not (envoy_stat(shadowed, "cluster.shadow~slow.upstream_rq_active", exact=True)
+                or envoy_stat(shadowed, "cluster.shadow~slow.upstream_rq_pending_active", exact=True)):
+            break
         assert time.monotonic() < deadline, "earlier copies still hold the shadow cap"
         time.sleep(0.05)
+    with silent.lock:
+        silent.posts = 0
     copies_before = metric(shadowed, "model_experiment_shadow_copies_total", experiment="slow")
     dropped_before = dropped()
     for i in range(8):
